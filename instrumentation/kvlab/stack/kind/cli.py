@@ -1,0 +1,139 @@
+"""`kvlab cluster`: the kind path.
+
+    kvlab cluster create [--gpu]                 kind cluster (+ GPU node setup, device plugin)
+    kvlab cluster deploy baseline|gateway|observability [--gpu] [--topology NAME|FILE]
+    kvlab cluster status                         deployments, pods and the URLs to use
+    kvlab cluster forward [TARGET ...]           port-forwards (gateway, jaeger, prometheus, grafana)
+    kvlab cluster delete
+
+`--dry-run` prints every step and every manifest without touching anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvlab import __version__
+from kvlab.errors import KvlabError
+from kvlab.stack.kind import forward, plan
+from kvlab.stack.kind import manifests as m
+from kvlab.topology import Topology, builtin, load_topology
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlab cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["create", "delete", "deploy", "status", "forward"])
+    p.add_argument("what", nargs="*", help="deploy: baseline|gateway|observability; forward: targets")
+    p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
+    p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
+    p.add_argument("--namespace", default="kvlab")
+    p.add_argument("--topology", default="quickstart", help="a shipped topology name or a YAML file")
+    p.add_argument("--image", default=f"kvlab:{__version__}", help="the kvlab image (gateway + simulator)")
+    p.add_argument("--no-build", action="store_true", help="deploy: do not build/load the kvlab image")
+    p.add_argument("--hf-model", default=m.versions.VLLM_MODEL, help="GPU: the Hugging Face model vLLM serves")
+    p.add_argument("--dry-run", action="store_true", help="print the steps and manifests; touch nothing")
+    return p
+
+
+def _topology(spec: str) -> Topology:
+    path = Path(spec)
+    return load_topology(path if path.suffix in (".yaml", ".yml") else builtin(spec))
+
+
+def _cluster(args: argparse.Namespace) -> m.Cluster:
+    return m.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=args.hf_model)
+
+
+def build_plan(args: argparse.Namespace) -> list[plan.Step]:
+    cluster = _cluster(args)
+    if args.action == "create":
+        return plan.create(cluster)
+    if args.action == "delete":
+        return plan.delete(cluster)
+    phases = args.what or ["observability", "baseline", "gateway"]
+    unknown = [x for x in phases if x not in m.PHASES]
+    if unknown:
+        raise KvlabError(f"deploy: unknown phase(s) {unknown}; choose from {', '.join(m.PHASES)}")
+    topology = _topology(args.topology)
+    steps: list[plan.Step] = []
+    built = False
+    for phase in phases:
+        steps += plan.deploy(topology, cluster, phase, build=not args.no_build and not built)
+        built = built or (not args.no_build and phase in ("baseline", "gateway"))
+    return steps
+
+
+def status(args: argparse.Namespace) -> int:
+    from kubernetes import client
+
+    api = forward.api_client(f"kind-{args.name}")
+    apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+    deployments = apps.list_namespaced_deployment(args.namespace, label_selector=f"{m.PART_OF}=kvlab").items
+    if not deployments:
+        print(f"nothing deployed in namespace {args.namespace}: `kvlab cluster deploy`")
+        return 1
+    print(f"{'DEPLOYMENT':<24} {'READY':>7}  IMAGE")
+    for d in sorted(deployments, key=lambda d: d.metadata.name):
+        ready = f"{d.status.ready_replicas or 0}/{d.spec.replicas}"
+        print(f"{d.metadata.name:<24} {ready:>7}  {d.spec.template.spec.containers[0].image}")
+    pods = core.list_namespaced_pod(args.namespace, label_selector=f"{m.PART_OF}=kvlab").items
+    print(f"\n{'POD':<44} {'PHASE':<10} {'IP':<16} NODE")
+    for pod in sorted(pods, key=lambda p: p.metadata.name):
+        print(f"{pod.metadata.name:<44} {pod.status.phase:<10} {pod.status.pod_ip or '-':<16} {pod.spec.node_name or '-'}")
+    services = {svc.metadata.name for svc in core.list_namespaced_service(args.namespace).items}
+    print("\nURLs (NodePorts published on 127.0.0.1 by kind/*.yaml):")
+    for target, (service, _, path) in forward.SERVICES.items():
+        if service in services:
+            print(f"  {target:<11} {forward.node_port_url(target)}{path if path != '/' else ''}")
+    return 0
+
+
+def forward_cmd(args: argparse.Namespace) -> int:
+    targets = args.what or ["gateway", "jaeger", "prometheus", "grafana"]
+    opened = []
+    try:
+        for target in targets:
+            if target not in forward.SERVICES:
+                raise KvlabError(f"forward: unknown target {target!r}; choose from {', '.join(forward.SERVICES)}")
+            fwd = forward.open_forward(target, f"kind-{args.name}", args.namespace)
+            opened.append(fwd)
+            print(f"{target:<11} {fwd.url}{forward.SERVICES[target][2] if forward.SERVICES[target][2] != '/' else ''}"
+                  f"  -> {fwd.pod}:{fwd.port}", flush=True)
+        print("forwarding; Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for fwd in opened:
+            fwd.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.action in ("create", "delete", "deploy"):
+            steps = build_plan(args)
+            if args.dry_run:
+                plan.print_plan(steps, sys.stdout)
+                return 0
+            from kvlab.stack.kind.runner import Runner
+
+            Runner().run(steps)
+            return 0
+        if args.dry_run:
+            print(f"{args.action}: reads the cluster only; nothing to plan")
+            return 0
+        return status(args) if args.action == "status" else forward_cmd(args)
+    except KvlabError as exc:
+        print(f"kvlab cluster: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:
+        if exc.name != "kubernetes":
+            raise
+        print("kvlab cluster: needs the kubernetes client: pip install 'kvlab[cluster]'", file=sys.stderr)
+        return 1
