@@ -21,12 +21,16 @@ class EventPublisher:
     """Publishes event batches on a bound (`tcp://*:PORT`) or connected PUB socket."""
 
     def __init__(self, endpoint: str, topic: str = "kv-events", data_parallel_rank: int | None = None,
-                 hwm: int = 100_000, context: zmq.Context | None = None) -> None:
+                 hwm: int = 100_000, context: zmq.Context | None = None, bind: bool | None = None) -> None:
+        """`bind`: True binds (e.g. `tcp://127.0.0.1:5557`), False connects; None guesses from the
+        endpoint (a `*` or an ipc/inproc address binds)."""
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.set_hwm(hwm)
         self._sock.linger = 0
-        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        if bind is None:
+            bind = "*" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+        if bind:
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)

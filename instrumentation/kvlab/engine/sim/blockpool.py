@@ -1,0 +1,162 @@
+"""The KV-cache block pool: fixed blocks, prefix caching with reference counts, LRU eviction.
+
+Mirrors vLLM's v1 block pool. A block is *cached* once it is full of computed tokens: its chained
+key (kvlab.kvcache.hashing) maps to it, and a later request with the same prefix reuses it
+instead of recomputing. Blocks used by running requests (ref_cnt > 0) are never evicted; free
+blocks sit in an LRU queue and a cached free block loses its identity only when allocation
+reaches it. Two deliberate refinements: freed blocks that hold nothing cached go to the front of
+the queue (reused first, so cached content lives longer), and a block whose key is already cached
+elsewhere is not cached twice (so every BlockStored has exactly one BlockRemoved later).
+Every change of cached content queues a vLLM KV event (`take_events`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+_U64 = (1 << 64) - 1
+
+
+def wire_hash(key: int) -> int:
+    """A block key as vLLM publishes it: an unsigned 64-bit int."""
+    return key & _U64
+
+
+class Block:
+    __slots__ = ("id", "ref_cnt", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.id = block_id
+        self.ref_cnt = 0
+        self.key: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.id}, ref={self.ref_cnt}, key={self.key})"
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` tokens; `events=False` skips event bookkeeping."""
+
+    def __init__(self, num_blocks: int, block_size: int, events: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
+        self._cached: dict[int, Block] = {}
+        self._events_on = events
+        self._events: list[Event] = []
+
+    # ---- state -----------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (vllm:kv_cache_usage_perc)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def is_cached(self, key: int) -> bool:
+        return key in self._cached
+
+    # ---- operations ------------------------------------------------------------------
+    def cached_prefix(self, keys: Sequence[int]) -> list[Block]:
+        """The cached blocks of the longest prefix of `keys` (not yet referenced)."""
+        hits: list[Block] = []
+        cached = self._cached
+        for key in keys:
+            block = cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks a request reuses (they leave the free queue)."""
+        free = self._free
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del free[block.id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """`n` fresh blocks from the LRU end of the free queue, evicting what they cached;
+        None (and no change) when fewer than `n` are free."""
+        if n > len(self._free):
+            return None
+        out: list[Block] = []
+        removed: list[int] = []
+        popitem = self._free.popitem
+        for _ in range(n):
+            _, block = popitem(last=False)
+            if block.key is not None:
+                del self._cached[block.key]
+                removed.append(wire_hash(block.key))
+                block.key = None
+            block.ref_cnt = 1
+            out.append(block)
+        if removed and self._events_on:
+            self._events.append(BlockRemoved(block_hashes=removed, medium="GPU"))
+        return out
+
+    def cache(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
+              token_ids: list[int]) -> None:
+        """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored."""
+        stored: list[int] = []
+        cached = self._cached
+        for block, key in zip(blocks, keys):
+            if key in cached:  # the same content is already cached in another block
+                continue
+            block.key = key
+            cached[key] = block
+            stored.append(wire_hash(key))
+        if stored and self._events_on:
+            if len(stored) != len(keys):  # partial: publish only what was stored, each chained
+                self._store_each(blocks, keys, parent, token_ids)
+            else:
+                self._events.append(BlockStored(
+                    block_hashes=stored, parent_block_hash=None if parent is None else wire_hash(parent),
+                    token_ids=token_ids, block_size=self.block_size, medium="GPU"))
+
+    def _store_each(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
+                    token_ids: list[int]) -> None:
+        bs = self.block_size
+        for i, (block, key) in enumerate(zip(blocks, keys)):
+            if block.key == key:
+                self._events.append(BlockStored(
+                    block_hashes=[wire_hash(key)], parent_block_hash=None if parent is None else wire_hash(parent),
+                    token_ids=token_ids[i * bs:(i + 1) * bs], block_size=bs, medium="GPU"))
+            parent = key
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference on each block; pass a request's blocks tail first (as vLLM does) so
+        a prompt's last blocks are evicted before its shared first ones."""
+        free = self._free
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                free[block.id] = block
+                if block.key is None:
+                    free.move_to_end(block.id, last=False)
+
+    def reset(self) -> None:
+        """Forget every cached block (running requests keep their blocks); AllBlocksCleared."""
+        for block in self._cached.values():
+            block.key = None
+        self._cached.clear()
+        if self._events_on:
+            self._events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[Event]:
+        """The events queued since the last call, in order."""
+        events, self._events = self._events, []
+        return events

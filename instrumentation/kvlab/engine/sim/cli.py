@@ -1,0 +1,143 @@
+"""`kvlab engine sim`: N simulated vLLM replicas in one process, one event loop.
+
+Prints one JSON line when every replica listens (and writes it atomically to --ready-file):
+`{"replicas": [{"name", "url", "kv_events", "role", "dp_rank", "replica"}, ...]}`.
+SIGTERM/SIGINT stop it cleanly. Flags are documented in docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+
+from kvlab.errors import ConfigError
+from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
+log = logging.getLogger("kvlab.engine.sim")
+
+
+def _ports(text: str | None, n: int, flag: str) -> list[int]:
+    ports = [int(p) for p in text.split(",") if p.strip()] if text else []
+    if len(ports) > n:
+        raise ConfigError(f"{flag}: {len(ports)} ports for {n} replicas")
+    return ports + [0] * (n - len(ports))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlab engine sim", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--replicas", type=int, default=1, help="replicas to host in this process")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and KV events)")
+    p.add_argument("--ports", help="HTTP ports, comma-separated (missing ones: free ports)")
+    p.add_argument("--kv-events-ports", help="KV-event ZMQ ports, comma-separated (missing ones: free ports)")
+    p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
+    p.add_argument("--name", default="sim", help="replicas are named NAME-0..NAME-(N-1); a single replica is named NAME")
+    p.add_argument("--model", default="kvlab-tiny", help="served model name")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: kvlab's own)")
+    p.add_argument("--profile", default="cpu-tiny", help="latency profile name")
+    p.add_argument("--profiles-file", help="profiles YAML (default: the shipped profiles.yaml)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every modelled duration (0.1 = ten times faster than the profile)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the profile's)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: the profile's)")
+    p.add_argument("--max-num-seqs", type=int, help="running requests per step (default: the profile's)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: the profile's)")
+    p.add_argument("--max-model-len", type=int, help="prompt + output tokens limit (default: the profile's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated tokens and block hashes")
+    p.add_argument("--ready-file", help="write the ready JSON here (atomically)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def build_replicas(args: argparse.Namespace):
+    """The replicas described by parsed flags (not started)."""
+    from kvlab.engine.sim.profile import get_profile
+    from kvlab.engine.sim.replica import EngineConfig, Replica
+    from kvlab.engine.sim.sampler import Sampler
+    from kvlab.tokenizer import Tokenizer
+
+    if args.replicas < 1:
+        raise ConfigError("--replicas must be at least 1")
+    if args.time_scale <= 0:
+        raise ConfigError("--time-scale must be positive")
+    prof = get_profile(args.profile, args.profiles_file)
+    cfg = EngineConfig(
+        profile=prof, time_scale=args.time_scale,
+        block_size=args.block_size or prof.block_size, num_blocks=args.num_blocks or prof.num_blocks,
+        max_num_seqs=args.max_num_seqs or prof.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or prof.max_num_batched_tokens,
+        max_model_len=args.max_model_len or prof.max_model_len)
+    if min(cfg.block_size, cfg.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) < 1:
+        raise ConfigError("sizes must be positive")
+    if cfg.max_model_len > cfg.num_blocks * cfg.block_size:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the KV cache "
+                          f"({cfg.num_blocks} blocks x {cfg.block_size} tokens): raise --num-blocks")
+    tokenizer = Tokenizer(args.tokenizer)
+    sampler = Sampler(tokenizer, args.seed)
+    http_ports = _ports(args.ports, args.replicas, "--ports")
+    kv_ports = _ports(args.kv_events_ports, args.replicas, "--kv-events-ports")
+    replicas = []
+    for i in range(args.replicas):
+        kv = None if args.no_kv_events else f"tcp://{args.host}:{kv_ports[i] or '*'}"
+        replicas.append(Replica(args.name if args.replicas == 1 else f"{args.name}-{i}", args.model, cfg, tokenizer, sampler, kv,
+                                hash_seed=args.seed * 1009 + i + 1))
+    return replicas, http_ports
+
+
+def _write_ready(path: str, data: bytes) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    replicas, ports = build_replicas(args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for replica, port in zip(replicas, ports):
+            await replica.start(args.host, port)
+        line = msgspec.json.encode({"replicas": [r.endpoint() for r in replicas]})
+        sys.stdout.write(line.decode() + "\n")
+        sys.stdout.flush()
+        if args.ready_file:
+            _write_ready(args.ready_file, line + b"\n")
+        await stop.wait()
+    finally:
+        for replica in replicas:
+            with contextlib.suppress(Exception):
+                await replica.stop()
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_tracing("kvlab-sim")
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(serve(args))
+        else:
+            uvloop.run(serve(args))
+    except ConfigError as exc:
+        print(f"kvlab engine sim: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. a port in use
+        print(f"kvlab engine sim: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_tracing()
+    return 0

@@ -1,0 +1,79 @@
+"""One simulated replica: its own block pool, scheduler, engine loop, metrics, KV-event socket and
+HTTP port. Several replicas share one process and one event loop (`kvlab engine sim --replicas N`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvlab.engine.sim.blockpool import BlockPool
+from kvlab.engine.sim.engine import Engine
+from kvlab.engine.sim.metrics import ReplicaMetrics
+from kvlab.engine.sim.profile import LatencyProfile
+from kvlab.engine.sim.sampler import Sampler
+from kvlab.engine.sim.scheduler import Scheduler
+from kvlab.gateway.discovery.base import Endpoint
+from kvlab.kvcache.transport import EventPublisher
+from kvlab.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes and timing of a replica (the profile's defaults, overridden by flags)."""
+
+    profile: LatencyProfile
+    time_scale: float
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Replica:
+    def __init__(self, name: str, model: str, cfg: EngineConfig, tokenizer: Tokenizer, sampler: Sampler,
+                 kv_events: str | None = None, hash_seed: int = 1) -> None:
+        self.name = name
+        self.model = model
+        self.cfg = cfg
+        self.max_model_len = cfg.max_model_len
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.started = time.time()
+        self.publisher = EventPublisher(kv_events, bind=True) if kv_events else None
+        pool = BlockPool(cfg.num_blocks, cfg.block_size, events=self.publisher is not None)
+        scheduler = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, hash_seed=hash_seed)
+        self.metrics = ReplicaMetrics(model, cfg.block_size, cfg.num_blocks)
+        self.engine = Engine(scheduler, cfg.profile, cfg.time_scale, sampler, self.metrics, self.publisher)
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def kv_events(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    async def start(self, host: str, port: int) -> None:
+        """Start the engine loop and listen (port 0: a free one)."""
+        from kvlab.engine.sim.server import Api
+
+        self.engine.start()
+        self._runner = web.AppRunner(Api(self).app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{host}:{bound}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.engine.stop()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def endpoint(self) -> Endpoint:
+        assert self.url is not None, "replica not started"
+        return Endpoint(name=self.name, url=self.url, kv_events=self.kv_events)

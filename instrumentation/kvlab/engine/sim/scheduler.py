@@ -1,0 +1,236 @@
+"""Continuous batching, as vLLM v1 schedules: one token budget per step, chunked prefill.
+
+Pure bookkeeping in virtual time (no clock, no I/O), so the engine loop drives it in real time and
+benchmarks replay it offline. Every request has `num_tokens` (prompt + sampled output) and
+`num_computed` (tokens whose KV exists); a step computes up to `num_tokens - num_computed` of them
+per request within the budget, running requests first, then waiting ones in arrival order.
+A request whose KV becomes complete samples one token. Out of blocks, the newest running request
+is preempted (blocks freed, recomputed later, as vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvlab.engine.sim.blockpool import Block, BlockPool
+from kvlab.kvcache.hashing import block_keys
+
+WAITING, RUNNING, FINISHED = 0, 1, 2
+
+
+class Request:
+    """One generation request: its tokens, KV blocks and progress (times are set by the engine)."""
+
+    __slots__ = ("id", "prompt", "output", "max_tokens", "num_prompt", "num_tokens", "num_computed",
+                 "num_output", "num_cached", "keys", "blocks", "status", "finish_reason", "scheduled",
+                 "t_arrival", "t_scheduled", "t_first_token", "t_last_token", "t_finished", "stop",
+                 "min_tokens", "text_len", "waiter", "ctx")
+
+    def __init__(self, request_id: str, prompt: list[int], output: list[int], keys: list[int],
+                 stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.output = output              # the ids it will emit, drawn in advance (deterministic)
+        self.max_tokens = len(output)
+        self.num_prompt = len(prompt)
+        self.num_tokens = len(prompt)
+        self.num_computed = 0
+        self.num_output = 0
+        self.num_cached: int | None = None   # prefix-cache hit (tokens) at first scheduling
+        self.keys = keys                  # chained keys of its full blocks known so far
+        self.blocks: list[Block] = []
+        self.status = WAITING
+        self.finish_reason: str | None = None
+        self.scheduled = 0                # tokens scheduled in the current step
+        self.stop = stop
+        self.min_tokens = min_tokens
+        self.text_len = 0                 # characters of output text to deliver (stop strings cut it)
+        self.t_arrival = self.t_scheduled = self.t_first_token = self.t_last_token = self.t_finished = 0
+        self.waiter = None                # the engine's wake-up future for the response writer
+        self.ctx = None                   # the engine's tracing context
+
+    def token(self, i: int) -> int:
+        return self.prompt[i] if i < self.num_prompt else self.output[i - self.num_prompt]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        if end <= self.num_prompt:
+            return self.prompt[start:end]
+        return (self.prompt + self.output)[start:end]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's work: requests with `scheduled` tokens each."""
+
+    requests: list[Request] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    admitted: list[Request] = field(default_factory=list)   # first scheduled in this step
+    preempted: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 hash_seed: int = 1) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.hash_seed = hash_seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.prefix_queries = 0            # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0               # of which found cached
+        self.preemptions = 0
+
+    def prompt_keys(self, prompt: list[int]) -> list[int]:
+        """The engine's block keys of a prompt (its own hash family, like vLLM's seeded hash)."""
+        return block_keys(prompt, self.block_size, seed=self.hash_seed)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        """Drop a request (client went away); frees its blocks."""
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req.status == WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._finish(req, "abort")
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset()
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_num_batched_tokens
+        pool, bs = self.pool, self.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = -(-(req.num_computed + n) // bs) - len(req.blocks)
+            if need > 0:
+                new = pool.allocate(need)
+                while new is None:
+                    victim = self.running[-1]
+                    self._preempt(victim, batch)
+                    if victim is req:
+                        break
+                    new = pool.allocate(need)
+                if new is None:
+                    break
+                req.blocks.extend(new)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            hits: list[Block] = []
+            if req.num_computed == 0 and not req.blocks:
+                cap = (req.num_tokens - 1) // bs
+                hits = pool.cached_prefix(req.keys[:cap])
+            computed = len(hits) * bs
+            n = min(req.num_tokens - computed, budget)
+            need = -(-(computed + n) // bs) - len(hits)
+            pool.touch(hits)
+            new = pool.allocate(need)
+            if new is None:
+                pool.free(reversed(hits))
+                break
+            self.waiting.popleft()
+            req.blocks = hits + new
+            req.num_computed = computed
+            if req.num_cached is None:
+                req.num_cached = computed
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += computed
+                batch.admitted.append(req)
+            req.status = RUNNING
+            self.running.append(req)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+        return batch
+
+    def _add_to_batch(self, batch: Batch, req: Request, n: int) -> None:
+        req.scheduled = n
+        batch.requests.append(req)
+        if n == 1 and req.num_output > 0 and req.num_computed == req.num_tokens - 1:
+            batch.decode_seqs += 1
+        else:
+            batch.prefill_tokens += n
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        self.running.remove(req)
+        if req in batch.requests:
+            batch.requests.remove(req)
+            if req.scheduled == 1 and req.num_output > 0:
+                batch.decode_seqs -= 1
+            else:
+                batch.prefill_tokens -= req.scheduled
+        self.pool.free(reversed(req.blocks))
+        req.blocks = []
+        req.num_computed = 0
+        req.status = WAITING
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+        batch.preempted += 1
+
+    def complete(self, batch: Batch) -> list[Request]:
+        """Apply a finished step: KV computed, full blocks cached, one token sampled by each
+        request whose KV is complete. Returns those requests (finished ones included)."""
+        sampled: list[Request] = []
+        bs = self.block_size
+        for req in batch.requests:
+            if req.status != RUNNING:
+                continue
+            before = req.num_computed // bs
+            req.num_computed += req.scheduled
+            req.scheduled = 0
+            after = req.num_computed // bs
+            if after > before:
+                self._cache_blocks(req, before, after)
+            if req.num_computed == req.num_tokens:
+                req.num_output += 1
+                req.num_tokens += 1
+                sampled.append(req)
+                if req.num_output >= req.max_tokens:
+                    self.finish(req, "length")
+        return sampled
+
+    def _cache_blocks(self, req: Request, start: int, end: int) -> None:
+        bs = self.block_size
+        keys = req.keys
+        if len(keys) < end:  # output blocks: extend the chain over generated tokens
+            parent = keys[-1] if keys else 0
+            first = len(keys)
+            keys.extend(block_keys(req.tokens(first * bs, end * bs), bs, parent=parent, seed=self.hash_seed))
+        # skip blocks that came from the cache already (they are cached under these keys)
+        while start < end and req.blocks[start].key == keys[start]:
+            start += 1
+        if start < end:
+            self.pool.cache(req.blocks[start:end], keys[start:end], keys[start - 1] if start else None,
+                            req.tokens(start * bs, end * bs))
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a running request now (length, stop): frees its blocks."""
+        if req.status == RUNNING:
+            self.running.remove(req)
+        self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status == FINISHED:
+            return
+        req.status = FINISHED
+        req.finish_reason = reason
+        self.pool.free(reversed(req.blocks))
+        req.blocks = []

@@ -1,0 +1,336 @@
+"""One replica's HTTP API, vLLM's: completions, chat, models, tokenize, metrics, health.
+
+Errors are OpenAI-style JSON (kvlab.errors.RequestError → 400/404), never a bare 500. Every
+response carries `x-kvlab-replica`. Streaming writes pre-built SSE byte strings: one chunk per
+token, several tokens of one step in one write. One SERVER span per generation request with
+queue, prefill and decode children built from the engine's timestamps at the end (no prompt text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvlab.engine.sim.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       _Generation, decode, message_dicts)
+from kvlab.engine.sim.scheduler import FINISHED, Request
+from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
+from kvlab.telemetry import names
+
+if TYPE_CHECKING:
+    from kvlab.engine.sim.replica import Replica
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvlab.engine.sim")
+
+DEFAULT_MAX_TOKENS = 16
+_encode = msgspec.json.encode
+_ids = itertools.count()
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _json(exc.to_json(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = RequestError(exc.reason if exc.status != 404 else f"no route {request.method} {request.path}")
+        err.status, err.type = exc.status, exc.reason.replace(" ", "")
+        return _json(err.to_json(), exc.status)
+
+
+class Api:
+    """The handlers of one replica."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.r = replica
+        self.engine = replica.engine
+        self.model = replica.model
+        self.max_model_len = replica.max_model_len
+        self.tokenizer = replica.tokenizer
+        self.sampler = replica.sampler
+        self.name = replica.name
+        self._model_json = _encode(self.model)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._stamp)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/version", self.version)
+        return app
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[names.HEADER_REPLICA] = self.name
+
+    # ---- small endpoints -------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        from kvlab import __version__
+        return _json({"version": f"kvlab-sim {__version__}"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": int(self.r.started), "owned_by": "vllm",
+            "root": self.model, "parent": None, "max_model_len": self.max_model_len, "permission": []}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.r.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.reset_prefix_cache()
+        return web.Response(status=200)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = decode(await request.read(), TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            text = self.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise RequestError("either `prompt` or `messages` is required", param="prompt")
+        ids = self.tokenizer.encode(text)
+        return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = decode(await request.read(), DetokenizeRequest)
+        self._check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        return _json({"prompt": self.tokenizer.decode(body.tokens)})
+
+    # ---- generation ------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+    def _check_ids(self, ids: list, param: str) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        for t in ids:
+            if type(t) is not int:
+                raise RequestError(f"`{param}` must be a string or a list of token ids", param=param)
+            if not 0 <= t < vocab:
+                raise RequestError(f"token id {t} is out of vocabulary (size {vocab})", param=param)
+        return ids
+
+    def _prompt_ids(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return self._prompt_ids(prompt[0])  # a batch of one
+        if prompt and all(type(t) is int for t in prompt):
+            return self._check_ids(prompt, "prompt")
+        raise RequestError("`prompt` must be a string, a list of token ids, or a batch of one of them "
+                           "(larger batches are not supported by the simulator)", param="prompt")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.time_ns()
+        body = decode(await request.read(), CompletionRequest)
+        self._check_model(body.model)
+        ids = self._prompt_ids(body.prompt)
+        return await self._generate(request, t0, body, ids, body.max_tokens, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.time_ns()
+        body = decode(await request.read(), ChatRequest)
+        self._check_model(body.model)
+        if not body.messages:
+            raise RequestError("`messages` must not be empty", param="messages")
+        text = self.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
+        ids = self.tokenizer.encode(text)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._generate(request, t0, body, ids, max_tokens, chat=True)
+
+    def _validate(self, body: _Generation, ids: list[int], max_tokens: int | None) -> int:
+        if body.n != 1:
+            raise RequestError("the simulator serves n=1 only", param="n")
+        if not ids:
+            raise RequestError("the prompt must not be empty", param="prompt")
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if body.min_tokens < 0 or body.min_tokens > max_tokens:
+            raise RequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
+        if body.temperature is not None and body.temperature < 0:
+            raise RequestError("temperature must be non-negative", param="temperature")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} "
+                f"in the completion). Please reduce the length of the messages or completion.",
+                param="messages" if isinstance(body, ChatRequest) else "prompt")
+        return max_tokens
+
+    async def _generate(self, request: web.Request, t0: int, body: _Generation, ids: list[int],
+                        max_tokens: int | None, chat: bool) -> web.StreamResponse:
+        n_max = self._validate(body, ids, max_tokens)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        req_id = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{next(_ids)}"
+        req = Request(req_id, ids, self.sampler.draw(ids, n_max, body.seed), self.engine.scheduler.prompt_keys(ids),
+                      stop=stop, min_tokens=body.min_tokens)
+        ctx = propagate.extract(request.headers)
+        span = tracer.start_span(names.SPAN_ENGINE_REQUEST, context=ctx, kind=SpanKind.SERVER, start_time=t0)
+        self.engine.submit(req)
+        status = 200
+        try:
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await self._stream(request, req, chat, include_usage)
+            return await self._complete(req, chat)
+        except (ConnectionError, asyncio.CancelledError):
+            status = 499  # the client went away
+            raise
+        finally:
+            if req.status != FINISHED:
+                self.engine.abort(req)
+            self._end_spans(span, req, body, chat, status)
+
+    def _usage(self, req: Request) -> dict:
+        cached = req.num_cached or 0
+        return {"prompt_tokens": req.num_prompt, "total_tokens": req.num_prompt + req.num_output,
+                "completion_tokens": req.num_output, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _wait(self, req: Request) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        req.waiter = fut
+        await fut
+
+    def _text(self, req: Request) -> str:
+        text = self.sampler.detokenize(req.output[:req.num_output])
+        return text[:req.text_len] if req.finish_reason == "stop" else text
+
+    async def _complete(self, req: Request, chat: bool) -> web.Response:
+        while req.status != FINISHED:
+            await self._wait(req)
+        created = req.t_arrival // 1_000_000_000
+        text = self._text(req)
+        stop_reason = None
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                      "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason,
+                      "stop_reason": stop_reason, "prompt_logprobs": None}
+            obj = "text_completion"
+        return _json({"id": req.id, "object": obj, "created": created, "model": self.model,
+                      "choices": [choice], "usage": self._usage(req)})
+
+    async def _stream(self, request: web.Request, req: Request, chat: bool, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        created = req.t_arrival // 1_000_000_000
+        head = (f'data: {{"id":"{req.id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+                f'"created":{created},"model":').encode() + self._model_json + b',"choices":[{"index":0,'
+        if chat:
+            pre, mid = head + b'"delta":{"content":"', b'"},"logprobs":null,"finish_reason":'
+            tail = b"}]}\n\n"
+        else:
+            pre, mid = head + b'"text":"', b'","logprobs":null,"finish_reason":'
+            tail = b',"stop_reason":null}]}\n\n'
+        escaped = self.sampler.json
+        sent = 0
+        while True:
+            if req.num_output == sent and req.status != FINISHED:
+                await self._wait(req)
+                continue
+            upto = req.num_output
+            parts = []
+            if chat and sent == 0 and upto > 0:
+                parts.append(head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+            last = upto - 1 if req.status == FINISHED else -1
+            for i in range(sent, upto):
+                if i == last:
+                    parts += [pre, self._last_piece(req), mid, b'"', req.finish_reason.encode(), b'"', tail]
+                else:
+                    parts += [pre, escaped[req.output[i]], mid, b"null", tail]
+            sent = upto
+            if req.status == FINISHED:
+                if include_usage:
+                    parts.append(head[:-len(b'{"index":0,')] + b"]," + b'"usage":' + _encode(self._usage(req)) + b"}\n\n")
+                parts.append(_DONE)
+                await resp.write(b"".join(parts))
+                break
+            await resp.write(b"".join(parts))
+        await resp.write_eof()
+        return resp
+
+    def _last_piece(self, req: Request) -> bytes:
+        """The escaped text of the final token (cut short when a stop string matched)."""
+        tok = req.output[req.num_output - 1]
+        if req.finish_reason != "stop":
+            return self.sampler.json[tok]
+        before = len(self.sampler.detokenize(req.output[:req.num_output - 1]))
+        piece = self.sampler.text[tok][:max(0, req.text_len - before)]
+        return _encode(piece)[1:-1]
+
+    # ---- tracing ---------------------------------------------------------------------
+    def _end_spans(self, span: trace.Span, req: Request, body: _Generation, chat: bool, status: int) -> None:
+        try:
+            cached = req.num_cached or 0
+            span.set_attributes({
+                names.GEN_AI_OPERATION_NAME: "chat" if chat else "text_completion",
+                names.GEN_AI_REQUEST_MODEL: body.model or self.model,
+                names.GEN_AI_RESPONSE_MODEL: self.model,
+                names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens,
+                names.GEN_AI_RESPONSE_ID: req.id,
+                names.GEN_AI_USAGE_INPUT_TOKENS: req.num_prompt,
+                names.GEN_AI_USAGE_OUTPUT_TOKENS: req.num_output,
+                names.REPLICA: self.name,
+                names.STREAM: body.stream,
+                names.PROMPT_TOKENS: req.num_prompt,
+                names.ENGINE_CACHED_TOKENS: cached,
+                names.BLOCK_SIZE: self.engine.scheduler.block_size,
+                names.HTTP_RESPONSE_STATUS_CODE: status,
+            })
+            if status != 200:
+                span.set_attribute(names.ERROR_TYPE, "client_disconnected")
+                span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+            parent = trace.set_span_in_context(span)
+            end = req.t_finished or time.time_ns()
+            if req.t_scheduled:
+                self._child(names.SPAN_ENGINE_QUEUE, parent, req.t_arrival, req.t_scheduled,
+                            {names.ENGINE_QUEUE_MS: (req.t_scheduled - req.t_arrival) / 1e6})
+                self._child(names.SPAN_ENGINE_PREFILL, parent, req.t_scheduled, req.t_first_token or end, {
+                    names.PROMPT_TOKENS: req.num_prompt, names.ENGINE_CACHED_TOKENS: cached,
+                    names.ENGINE_COMPUTED_TOKENS: req.num_prompt - cached})
+            else:
+                self._child(names.SPAN_ENGINE_QUEUE, parent, req.t_arrival, end, {
+                    names.ENGINE_QUEUE_MS: (end - req.t_arrival) / 1e6})
+            if req.t_first_token:
+                self._child(names.SPAN_ENGINE_DECODE, parent, req.t_first_token, end,
+                            {names.GEN_AI_USAGE_OUTPUT_TOKENS: req.num_output})
+            span.end(end_time=max(end, time.time_ns()))
+        except Exception:  # telemetry never breaks a request
+            log.exception("span export failed")
+
+    @staticmethod
+    def _child(name: str, parent, start: int, end: int, attrs: dict) -> None:
+        s = tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
+        s.end(end_time=end)

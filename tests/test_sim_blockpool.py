@@ -1,0 +1,211 @@
+"""Unit tests of the simulator's block pool, scheduler and latency model (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.config import convert
+from kvlab.engine.sim.blockpool import BlockPool, wire_hash
+from kvlab.engine.sim.profile import LatencyProfile, load_profiles
+from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
+from kvlab.errors import ConfigError
+from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvlab.kvcache.hashing import block_keys
+
+
+def _keys(n: int, start: int = 0) -> list[int]:
+    return block_keys(list(range(start, start + 4 * n)), 4, seed=7)
+
+
+# ---- block pool --------------------------------------------------------------------------
+def test_cached_blocks_are_found_by_prefix_and_stored_events_carry_tokens():
+    pool = BlockPool(8, 4)
+    blocks = pool.allocate(3)
+    keys = _keys(3)
+    tokens = list(range(12))
+    pool.cache(blocks, keys, None, tokens)
+    (ev,) = pool.take_events()
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == [wire_hash(k) for k in keys] and ev.token_ids == tokens
+    assert ev.parent_block_hash is None and ev.block_size == 4
+    assert all(0 <= h < 2**64 for h in ev.block_hashes)
+    assert pool.cached_prefix(keys) == blocks
+    assert pool.cached_prefix([keys[0], 12345, keys[2]]) == blocks[:1]   # a prefix, not a subset
+    assert pool.cached_prefix([999]) == []
+
+
+def test_blocks_in_use_are_never_evicted():
+    pool = BlockPool(4, 4)
+    held = pool.allocate(2)
+    pool.cache(held, _keys(2), None, list(range(8)))
+    other = pool.allocate(2)
+    assert pool.num_free == 0
+    assert pool.allocate(1) is None          # nothing free: held cached blocks stay
+    assert pool.cached_prefix(_keys(2)) == held
+    pool.free(reversed(other))
+    assert pool.allocate(2) is not None
+    assert pool.cached_prefix(_keys(2)) == held
+
+
+def test_lru_eviction_of_free_cached_blocks_emits_block_removed():
+    pool = BlockPool(4, 4)
+    a = pool.allocate(2)
+    ka = _keys(2, start=0)
+    pool.cache(a, ka, None, list(range(8)))
+    b = pool.allocate(2)
+    kb = _keys(2, start=100)
+    pool.cache(b, kb, None, list(range(100, 108)))
+    pool.free(reversed(a))   # a freed first: least recently used
+    pool.free(reversed(b))
+    pool.take_events()
+    new = pool.allocate(2)
+    assert new is not None
+    (ev,) = pool.take_events()
+    assert isinstance(ev, BlockRemoved)
+    # vLLM frees a request's blocks tail first, so its last block goes before its first one
+    assert ev.block_hashes == [wire_hash(ka[1]), wire_hash(ka[0])]
+    assert pool.cached_prefix(ka) == [] and pool.cached_prefix(kb) == b
+
+
+def test_touch_takes_reuse_out_of_the_free_queue_and_refcounts():
+    pool = BlockPool(3, 4)
+    a = pool.allocate(1)
+    pool.cache(a, _keys(1), None, [0, 1, 2, 3])
+    pool.free(a)
+    hit = pool.cached_prefix(_keys(1))
+    pool.touch(hit)          # request 1 reuses it
+    pool.touch(hit)          # request 2 too
+    assert hit[0].ref_cnt == 2 and pool.num_free == 2
+    pool.free(hit)
+    assert pool.num_free == 2  # still used by request 2
+    assert pool.allocate(2) is not None and pool.allocate(1) is None
+    pool.free(hit)
+    assert pool.num_free == 1
+
+
+def test_uncached_free_blocks_are_reused_before_cached_ones():
+    pool = BlockPool(3, 4)
+    blocks = pool.allocate(3)
+    pool.cache(blocks[:1], _keys(1), None, [0, 1, 2, 3])
+    pool.free(blocks)         # cached one first (LRU), then two uncached ones
+    pool.take_events()
+    pool.allocate(2)
+    assert pool.take_events() == []   # the cached block survived
+    assert pool.cached_prefix(_keys(1)) == blocks[:1]
+
+
+def test_duplicate_content_is_cached_once_and_reset_clears_everything():
+    pool = BlockPool(4, 4)
+    a, b = pool.allocate(1), pool.allocate(1)
+    pool.cache(a, _keys(1), None, [0, 1, 2, 3])
+    pool.cache(b, _keys(1), None, [0, 1, 2, 3])
+    assert len(pool.take_events()) == 1 and pool.num_cached == 1
+    pool.reset()
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.num_cached == 0 and pool.cached_prefix(_keys(1)) == []
+
+
+# ---- scheduler ---------------------------------------------------------------------------
+def _sched(num_blocks=64, bs=4, max_seqs=8, budget=64) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, bs), max_seqs, budget, hash_seed=3)
+
+
+def _req(s: Scheduler, prompt: list[int], n_out: int = 3, rid: str = "r") -> Request:
+    return Request(rid, prompt, [1000 + i for i in range(n_out)], s.prompt_keys(prompt))
+
+
+def _run(s: Scheduler, limit: int = 1000) -> list:
+    steps = []
+    for _ in range(limit):
+        if not s.has_work():
+            break
+        b = s.schedule()
+        steps.append((b.prefill_tokens, b.decode_seqs))
+        s.complete(b)
+    return steps
+
+
+def test_prefill_then_one_token_per_decode_step_then_blocks_freed():
+    s = _sched()
+    r = _req(s, list(range(10)), n_out=3)
+    s.add(r)
+    assert _run(s) == [(10, 0), (0, 1), (0, 1)]
+    assert r.status == FINISHED and r.finish_reason == "length" and r.num_output == 3
+    assert s.pool.num_free == s.pool.num_blocks
+    # prompt blocks (2 full) and the output-filled third block (10 prompt + 2 computed outputs = 12)
+    assert s.pool.num_cached == 3
+
+
+def test_repeated_prompt_hits_cache_except_the_last_token():
+    s = _sched()
+    prompt = list(range(16))
+    s.add(_req(s, prompt))
+    _run(s)
+    r2 = _req(s, prompt, rid="r2")
+    s.add(r2)
+    steps = _run(s)
+    # 16 tokens = 4 full blocks; the last block is recomputed so one token is left to sample from
+    assert r2.num_cached == 12 and steps[0] == (4, 0)
+    assert s.prefix_queries == 32 and s.prefix_hits == 12
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_ride_along():
+    s2 = _sched(budget=8)
+    a = _req(s2, list(range(4)), n_out=5, rid="a")
+    b = _req(s2, list(range(100, 120)), n_out=1, rid="b")
+    s2.add(a)
+    s2.complete(s2.schedule())     # a prefilled (4 tokens)
+    s2.add(b)
+    steps = _run(s2)
+    # a decodes 1/step, b's 20-token prompt goes in chunks of the remaining 7 tokens
+    assert steps[:3] == [(7, 1), (7, 1), (6, 1)]
+    assert b.num_output == 1 and b.status == FINISHED
+
+
+def test_max_num_seqs_keeps_requests_waiting():
+    s = _sched(max_seqs=2)
+    rs = [_req(s, [i * 10 + j for j in range(5)], rid=str(i)) for i in range(3)]
+    for r in rs:
+        s.add(r)
+    b = s.schedule()
+    assert [r.id for r in b.requests] == ["0", "1"] and len(s.waiting) == 1
+
+
+def test_out_of_blocks_preempts_the_newest_and_it_completes_later():
+    s = _sched(num_blocks=6, bs=4, budget=64)
+    a = _req(s, list(range(12)), n_out=8, rid="a")   # grows to 5 blocks
+    b = _req(s, list(range(50, 58)), n_out=8, rid="b")
+    s.add(a)
+    s.add(b)
+    _run(s)
+    assert s.preemptions >= 1
+    assert a.status == b.status == FINISHED and a.num_output == b.num_output == 8
+    assert s.pool.num_free == 6
+
+
+def test_abort_frees_blocks():
+    s = _sched()
+    r = _req(s, list(range(10)))
+    s.add(r)
+    s.complete(s.schedule())
+    assert s.pool.num_free < s.pool.num_blocks
+    s.abort(r)
+    assert r.status == FINISHED and r.finish_reason == "abort" and s.pool.num_free == s.pool.num_blocks
+
+
+# ---- latency model -----------------------------------------------------------------------
+def test_step_time_saves_in_proportion_to_tokens_not_recomputed():
+    p = load_profiles()["cpu-tiny"]
+    cold, warm = p.step_ms(2000, 0), p.step_ms(16, 0)
+    assert cold - warm == pytest.approx(1984 * p.prefill_ms_per_token)
+    assert p.step_ms(0, 8) > p.step_ms(0, 1) > p.step_ms(0, 0)
+
+
+def test_every_shipped_profile_is_valid_and_unknown_keys_are_errors():
+    profiles = load_profiles()
+    assert {"cpu-tiny"} < set(profiles) and len(profiles) >= 2
+    for p in profiles.values():
+        assert p.source and p.max_model_len <= p.num_blocks * p.block_size
+    with pytest.raises(ConfigError, match="prefil_ms_per_token"):
+        convert({"description": "x", "source": "y", "step_overhead_ms": 1, "prefil_ms_per_token": 1,
+                 "decode_ms_base": 1, "decode_ms_per_seq": 1}, LatencyProfile)
