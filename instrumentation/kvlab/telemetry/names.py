@@ -51,6 +51,12 @@ SCHEDULE_WEIGHTS = "kvlab.schedule.weights"                 # JSON {scorer: weig
 SCHEDULE_CANDIDATES = "kvlab.schedule.candidates"           # JSON [{replica, scores, total, prefix_tokens}]
 SCHEDULE_SHADOW = "kvlab.schedule.shadow"                   # true when scores were computed but not used
 SCHEDULE_ATTEMPT = "kvlab.schedule.attempt"
+SCHEDULE_SHADOW_CHOICE = "kvlab.schedule.shadow_choice"     # what max-score would have chosen
+SCHEDULE_FILTERED = "kvlab.schedule.filtered"               # JSON [replica] dropped by thresholds
+SCHEDULE_INDEX = "kvlab.schedule.index"                     # JSON {replica: precise|approximate}
+SCHEDULE_KEYS_MS = "kvlab.schedule.keys_ms"                 # block hashing time
+TOKENIZE_MS = "kvlab.tokenize.ms"
+UPSTREAM_ERROR = "kvlab.upstream.error"                     # connect|status|stream|timeout
 TOKENIZE_CACHED = "kvlab.tokenize.cache_hit_tokens"
 ENGINE_QUEUE_MS = "kvlab.engine.queue_ms"
 ENGINE_CACHED_TOKENS = "kvlab.engine.cached_tokens"
@@ -62,6 +68,14 @@ PD_REASON = "kvlab.pd.reason"
 PD_UNCACHED_TOKENS = "kvlab.pd.uncached_tokens"
 PD_THRESHOLD = "kvlab.pd.threshold_tokens"
 PD_PREFILL_REPLICA = "kvlab.pd.prefill_replica"
+PD_DECODE_REPLICA = "kvlab.pd.decode_replica"
+PD_ROLE = "kvlab.pd.role"                          # engine.request: "prefill" | "decode" side of a split
+PD_PREFILL_CANDIDATES = "kvlab.pd.prefill_candidates"   # JSON [{replica, prefix_tokens, inflight}]
+PD_FALLBACK = "kvlab.pd.fallback"                  # true when a failed prefill fell back to unified
+EVENT_PD_FALLBACK = "pd.fallback_unified"          # span event: the prefill call failed, serving unified
+KV_TRANSFER_LOCAL_TOKENS = "kvlab.kv_transfer.local_tokens"      # already cached on the decode replica
+KV_TRANSFER_OFFERED_TOKENS = "kvlab.kv_transfer.offered_tokens"  # full-block tokens the prefill offered
+KV_TRANSFER_SKIPPED = "kvlab.kv_transfer.skipped"                # why nothing was pulled
 KV_TRANSFER_TOKENS = "kvlab.kv_transfer.tokens"
 KV_TRANSFER_MS = "kvlab.kv_transfer.ms"
 MOE_EXPERTS_HIT = "kvlab.moe.experts_hit"
@@ -69,13 +83,45 @@ MOE_TOKENS_PER_EP_RANK = "kvlab.moe.tokens_per_ep_rank"
 MOE_IMBALANCE = "kvlab.moe.imbalance"
 MOE_WAIT_MS = "kvlab.moe.wait_slowest_ms"
 DP_RANK = "kvlab.dp.rank"
+# wide-EP / data parallel / autoscaling (issue 9, docs/wide-ep.md, docs/autoscaling.md)
+MOE_EXPERTS_TOTAL = "kvlab.moe.experts"                  # E, routed experts per layer
+MOE_TOP_K = "kvlab.moe.top_k"
+MOE_STEPS = "kvlab.moe.steps"                            # engine steps the request took part in
+DP_WAIT_MS = "kvlab.dp.wait_busiest_ms"                  # time its rank idled for the busiest DP rank
+DP_REPLICA = "kvlab.dp.replica"                          # the replica the chosen rank belongs to
+DP_REASON = "kvlab.dp.rank_reason"                       # why this rank and not its siblings
+DP_SIBLINGS = "kvlab.dp.siblings"                        # JSON [{rank, prefix_tokens, waiting, inflight_tokens}]
+EVENT_AUTOSCALE = "kvlab.autoscale.recommendation"       # span event when the recommendation changes
+AUTOSCALE_DESIRED = "kvlab.autoscale.desired_replicas"
+AUTOSCALE_CURRENT = "kvlab.autoscale.current_replicas"
+AUTOSCALE_REASON = "kvlab.autoscale.reason"
+AUTOSCALE_QUEUE = "kvlab.autoscale.waiting_per_replica"
+AUTOSCALE_KV = "kvlab.autoscale.kv_usage"
+SCALE_DIRECTION = "kvlab.scale.direction"                # up | down
+SCALE_FROM = "kvlab.scale.from_replicas"
+SCALE_TO = "kvlab.scale.to_replicas"
+SCALE_REPLICA = "kvlab.scale.replica"                    # the replica started or stopped
+SCALE_READY_MS = "kvlab.scale.ready_ms"                  # start -> listening (up) / drain time (down)
 CLIENT_TTFT_MS = "kvlab.client.ttft_ms"
 WORKLOAD = "kvlab.workload"
 
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
 HEADER_ROUTED_TO = "x-kvlab-routed-to"    # set by the gateway: the replica it chose
+HEADER_POLICY = "x-kvlab-policy"                      # set by the gateway: the routing policy
+HEADER_PROMPT_TOKENS = "x-kvlab-prompt-tokens"        # set by the gateway: prompt tokens it counted
+HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # set by the gateway: best cached prefix, any replica
+HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # set by the gateway: cached prefix on the chosen one
 HEADER_REQUEST_ID = "x-request-id"
+HEADER_KV_TRANSFER_TOKENS = "x-kvlab-kv-transfer-tokens"  # set by a decode replica: tokens of KV pulled
+HEADER_KV_TRANSFER_MS = "x-kvlab-kv-transfer-ms"          # set by a decode replica: time of the pull
+HEADER_PD_DECISION = "x-kvlab-pd-decision"                # set by the gateway: split | unified
+HEADER_PREFILLED_BY = "x-kvlab-prefilled-by"              # set by the gateway: the prefill replica of a split
+HEADER_POLICY = "x-kvlab-policy"                    # set by the gateway: the policy in force
+HEADER_PROMPT_TOKENS = "x-kvlab-prompt-tokens"      # prompt tokens as the gateway counted them
+HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached prefix on any replica
+HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
+HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -91,6 +137,7 @@ VLLM_QUEUE_TIME = "vllm:request_queue_time_seconds"
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                 # counter
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"         # counter
 VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
+VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
 
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}
@@ -104,3 +151,9 @@ KVLAB_EJECTIONS = "kvlab_gateway_ejections"               # counter {replica}
 KVLAB_PD_DECISIONS = "kvlab_gateway_pd_decisions"         # counter {decision, reason}
 KVLAB_KV_TRANSFER_SECONDS = "kvlab_kv_transfer_seconds"   # histogram
 KVLAB_DESIRED_REPLICAS = "kvlab_gateway_desired_replicas"  # gauge
+KVLAB_INFLIGHT = "kvlab_gateway_inflight"                 # gauge {replica}
+KVLAB_ENDPOINT_HEALTHY = "kvlab_gateway_endpoint_healthy"  # gauge {replica} 1|0
+KVLAB_INDEX_BLOCKS = "kvlab_gateway_index_blocks"         # gauge {replica, index=precise|approximate}
+KVLAB_KV_EVENTS = "kvlab_gateway_kv_events"               # counter {replica} event batches ingested
+KVLAB_KV_EVENT_GAPS = "kvlab_gateway_kv_event_gaps"       # counter {replica, kind=gap|restart}
+KVLAB_TOKENIZE_SECONDS = "kvlab_gateway_tokenize_seconds"  # histogram

@@ -1,0 +1,153 @@
+"""`kvlab gateway`: parse flags, load the policy, start discovery and serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from kvlab.errors import ConfigError, KvlabError
+from kvlab.gateway.config import PRESETS, PolicyConfig, load_policy
+from kvlab.gateway.discovery.base import Discovery, Endpoint, StaticDiscovery
+
+log = logging.getLogger("kvlab.gateway")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlab gateway", description="The instrumented KV-aware gateway.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--endpoints", default="", help="[NAME=]URL[,...] of the replicas")
+    p.add_argument("--kv-events", default="", help="NAME_OR_URL=tcp://HOST:PORT[,...]")
+    p.add_argument("--endpoints-file", help="the engines' ready JSON ({'replicas': [Endpoint...]})")
+    p.add_argument("--policy", choices=PRESETS, help="policy preset (default: the config file's `preset`)")
+    p.add_argument("--config", help="policy YAML merged over the preset (docs/gateway.md)")
+    p.add_argument("--model", help="served model name (informational; replicas validate it)")
+    p.add_argument("--tokenizer", help="HF tokenizer directory (default: kvlab's own)")
+    p.add_argument("--scrape-interval-ms", type=int, help="load-view scrape interval (default 200)")
+    p.add_argument("--ready-file", help="write {'url', 'policy', 'pid'} here once listening")
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--selector", default="app.kubernetes.io/component=replica")
+    p.add_argument("--replica-port", type=int, default=8000)
+    p.add_argument("--replica-kv-events-port", type=int, default=5557, help="0: replicas publish no events")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _name_of(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+def static_endpoints(args: argparse.Namespace, cfg: PolicyConfig) -> list[Endpoint]:
+    """Endpoints from --endpoints-file, --endpoints and --kv-events (or the config file)."""
+    eps: dict[str, Endpoint] = {}
+    if args.endpoints_file:
+        try:
+            data = json.loads(Path(args.endpoints_file).read_text())
+            for rep in data["replicas"]:
+                e = Endpoint(**rep)
+                eps[e.name] = e
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{args.endpoints_file}: not an engines' ready JSON: {exc}") from None
+    for item in filter(None, (s.strip() for s in args.endpoints.split(","))):
+        name, _, url = item.rpartition("=")
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--endpoints: {item!r} is not [NAME=]http://HOST:PORT")
+        name = name or _name_of(url)
+        eps[name] = Endpoint(name=name, url=url)
+    if not eps:
+        for s in cfg.endpoints:
+            eps[s.name] = Endpoint(name=s.name, url=s.url.rstrip("/"), kv_events=s.kv_events, role=s.role)
+    for item in filter(None, (s.strip() for s in args.kv_events.split(","))):
+        key, sep, zmq_url = item.rpartition("=")
+        if not sep or not zmq_url.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"--kv-events: {item!r} is not NAME_OR_URL=tcp://HOST:PORT")
+        key = key.rstrip("/")
+        match = [n for n, e in eps.items() if key in (n, e.url)]
+        if not match:
+            raise ConfigError(f"--kv-events: {key!r} names no endpoint ({', '.join(eps)})")
+        e = eps[match[0]]
+        eps[e.name] = Endpoint(name=e.name, url=e.url, kv_events=zmq_url, role=e.role,
+                               dp_rank=e.dp_rank, replica=e.replica)
+    return list(eps.values())
+
+
+def discovery(args: argparse.Namespace, cfg: PolicyConfig) -> Discovery:
+    if args.discovery == "kubernetes":
+        from kvlab.gateway.discovery.kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery(args.namespace, args.selector, api_port=args.replica_port,
+                                   kv_events_port=args.replica_kv_events_port or None)
+    eps = static_endpoints(args, cfg)
+    if not eps:
+        raise ConfigError("no endpoints: pass --endpoints, --endpoints-file or list them in --config")
+    return StaticDiscovery(eps)
+
+
+def _write_ready(path: str, info: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(info) + "\n")
+    os.replace(tmp, p)
+
+
+async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery) -> None:
+    from aiohttp import web
+
+    from kvlab.gateway.server import Gateway
+    from kvlab.gateway.tokens import PromptTokenizer
+    from kvlab.tokenizer import Tokenizer
+
+    tok = PromptTokenizer(Tokenizer(args.tokenizer), cfg.tokenize_cache_entries)
+    gw = Gateway(cfg, disc, tok, model=args.model, scrape_interval_ms=args.scrape_interval_ms)
+    runner = web.AppRunner(gw.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024)
+    await site.start()
+    info = {"url": f"http://{args.host}:{args.port}", "policy": cfg.name, "pid": os.getpid()}
+    print(json.dumps(info), flush=True)
+    if args.ready_file:
+        _write_ready(args.ready_file, info)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_policy(args.policy, args.config)
+        disc = discovery(args, cfg)
+    except KvlabError as exc:
+        print(f"kvlab gateway: {exc}", file=sys.stderr)
+        return 2
+    from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
+    configure_tracing("kvlab-gateway")
+    try:
+        import uvloop  # optional: a faster event loop when installed
+    except ImportError:
+        uvloop = None
+    try:
+        if uvloop is not None:
+            uvloop.run(serve(args, cfg, disc))
+        else:
+            asyncio.run(serve(args, cfg, disc))
+    except OSError as exc:
+        print(f"kvlab gateway: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_tracing()
+    return 0

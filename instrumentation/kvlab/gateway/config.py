@@ -1,0 +1,132 @@
+"""The gateway's policy configuration: typed, parsed once, with named presets.
+
+A preset is a YAML file in `kvlab/assets/policies/<name>.yaml`. `--config FILE` is a YAML whose
+keys are deep-merged over the preset named by `--policy` (or by its own `preset:` key), so a user
+file only states what it changes. Every key is documented in docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from kvlab.config import Strict, convert
+from kvlab.errors import ConfigError
+
+PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware")
+
+
+class Weights(Strict):
+    """Scorer weights; each scorer returns a value in [0, 1]; total = sum(weight * score)."""
+
+    prefix: float = 0.0
+    queue: float = 0.0
+    kv_usage: float = 0.0
+    inflight: float = 0.0
+
+
+class Thresholds(Strict):
+    """Filters: a replica above a threshold is not a candidate unless every replica is."""
+
+    max_waiting: int | None = None        # vllm:num_requests_waiting
+    max_kv_usage: float | None = None     # vllm:kv_cache_usage_perc, 0..1
+    max_inflight: int | None = None       # requests the gateway has in flight to it
+
+
+class Timeouts(Strict):
+    connect_s: float = 2.0                # TCP connect to a replica
+    first_byte_s: float = 120.0           # request sent -> response headers
+    stream_idle_s: float = 60.0           # max gap between two streamed chunks
+    total_s: float = 900.0                # whole upstream exchange
+    scrape_s: float = 1.0                 # one /metrics scrape
+
+
+class Health(Strict):
+    eject_after_failures: int = 3         # consecutive failed scrapes/connects before ejection
+    readmit_after_s: float = 2.0          # an ejected replica is probed again after this
+    scrape_interval_ms: int = 200
+
+
+class Limits(Strict):
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int | None = None  # None: let the replica judge its model length
+    max_retries: int = 2                  # extra replicas tried after a refused connection
+
+
+class IndexSettings(Strict):
+    kind: Literal["precise", "approximate"] = "precise"   # precise falls back to approximate per replica without a live event stream
+    default_block_size: int = 16          # until /metrics or events tell a replica's own
+    approx_capacity_blocks: int = 100_000  # per replica, unless its num_gpu_blocks is known
+
+
+class StaticEndpoint(Strict):
+    """A replica listed in the config file (same fields as discovery.base.Endpoint)."""
+
+    name: str
+    url: str
+    kv_events: str | None = None
+    role: Literal["both", "prefill", "decode"] = "both"
+
+
+class PolicyConfig(Strict):
+    name: str
+    description: str = ""
+    picker: Literal["max-score", "round-robin", "random"] = "max-score"
+    weights: Weights = Weights()
+    thresholds: Thresholds = Thresholds()
+    index: IndexSettings = IndexSettings()
+    timeouts: Timeouts = Timeouts()
+    health: Health = Health()
+    limits: Limits = Limits()
+    tokenize_cache_entries: int = 50_000
+    kv_events_resync_s: float = 10.0      # gap-free events needed before a stale replica is trusted again
+    endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
+
+
+def preset_path(name: str) -> Path:
+    return Path(str(resources.files("kvlab") / "assets" / "policies" / f"{name}.yaml"))
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_policy(name: str | None, config_file: str | Path | None = None) -> PolicyConfig:
+    """The preset `name`, with `config_file` merged over it. Raises ConfigError on any problem."""
+    over: dict[str, Any] = {}
+    if config_file:
+        over = _read(Path(config_file))
+        preset = over.pop("preset", None)
+        name = name or preset
+    if not name:
+        raise ConfigError("no policy: pass --policy NAME or set `preset:` in the config file")
+    path = preset_path(name)
+    if name not in PRESETS or not path.is_file():
+        if config_file and "name" in over:   # a fully custom policy
+            return convert(over, PolicyConfig, str(config_file))
+        raise ConfigError(f"unknown policy {name!r}; presets: {', '.join(PRESETS)}")
+    data = _merge(_read(path), over)
+    return convert(data, PolicyConfig, str(config_file or path))
+
+
+def to_dict(cfg: PolicyConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)

@@ -1,0 +1,96 @@
+"""What the gateway believes about each replica: load, block size, health, event-stream state.
+
+Health is passive and active at once: a failed scrape or a refused connection counts as a
+failure; `eject_after_failures` consecutive failures eject the replica (it is no longer a
+candidate); after `readmit_after_s` the scraper probes it again and one success re-admits it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvlab.gateway.discovery.base import Endpoint
+
+
+@dataclass(slots=True)
+class Replica:
+    endpoint: Endpoint
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None       # from vllm:cache_config_info or KV events
+    num_gpu_blocks: int | None = None
+    inflight: int = 0                   # requests the gateway has open to it right now
+    healthy: bool = True
+    failures: int = 0                   # consecutive
+    ejected_at: float | None = None
+    ejections: int = 0
+    last_scrape: float | None = None
+    last_error: str | None = None
+    events_state: str = "none"          # none | connecting | live | stale
+    events_received: int = 0
+    events_gaps: int = 0
+    events_restarts: int = 0
+    routed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+
+class Registry:
+    """The replica set (updated by discovery) and their health bookkeeping."""
+
+    def __init__(self, eject_after_failures: int = 3, readmit_after_s: float = 2.0) -> None:
+        self.replicas: dict[str, Replica] = {}
+        self.eject_after = max(1, eject_after_failures)
+        self.readmit_after_s = readmit_after_s
+        self.on_eject = None  # callable(Replica) set by the server (metrics, index)
+
+    def update(self, endpoints: list[Endpoint]) -> tuple[list[Replica], list[Replica]]:
+        """Apply a complete endpoint set; returns (added, removed)."""
+        new = {e.name: e for e in endpoints}
+        removed = [r for n, r in self.replicas.items() if n not in new or new[n] != r.endpoint]
+        for r in removed:
+            del self.replicas[r.name]
+        added = []
+        for n, e in new.items():
+            if n not in self.replicas:
+                self.replicas[n] = Replica(e)
+                added.append(self.replicas[n])
+        return added, removed
+
+    def candidates(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy and r.endpoint.role != "prefill"]
+
+    def success(self, r: Replica) -> None:
+        r.failures = 0
+        r.last_error = None
+        if not r.healthy:
+            r.healthy = True
+            r.ejected_at = None
+
+    def failure(self, r: Replica, error: str) -> bool:
+        """Count a failure; returns True when this one ejected the replica."""
+        r.failures += 1
+        r.last_error = error
+        if not r.healthy:
+            r.ejected_at = time.monotonic()   # probe again after another readmit_after_s
+            return False
+        if r.failures >= self.eject_after:
+            r.healthy = False
+            r.ejected_at = time.monotonic()
+            r.ejections += 1
+            if self.on_eject is not None:
+                self.on_eject(r)
+            return True
+        return False
+
+    def due_for_probe(self, r: Replica) -> bool:
+        return r.healthy or (r.ejected_at is not None
+                             and time.monotonic() - r.ejected_at >= self.readmit_after_s)

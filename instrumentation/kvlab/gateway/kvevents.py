@@ -1,0 +1,74 @@
+"""KV-event feeds: one ZMQ subscriber per replica feeding the precise index.
+
+States (shown in /debug/endpoints): `connecting` until the first batch, `live`, and `stale`
+after a sequence gap (events were lost, so the replica's precise entries are dropped and the
+router uses the approximate index for it) until `resync_s` of gap-free events have rebuilt it.
+A sequence going backwards means the engine restarted with an empty cache: both indexes forget
+that replica. A dead or silent stream never blocks serving: the feed is a background task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kvlab.gateway.endpoints import Replica
+from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.kvcache.transport import EventSubscriber, Received
+
+log = logging.getLogger(__name__)
+
+
+class EventFeed:
+    def __init__(self, precise: PreciseIndex, approx: ApproximateIndex, resync_s: float = 10.0,
+                 on_batch: Callable[[Replica, Received], None] | None = None) -> None:
+        self.precise = precise
+        self.approx = approx
+        self.resync_s = resync_s
+        self.on_batch = on_batch
+        self._stale_since: dict[str, float] = {}
+
+    def ingest(self, r: Replica, rec: Received) -> None:
+        """Apply one received batch, handling gaps and restarts first."""
+        name = r.name
+        if rec.restarted:
+            r.events_restarts += 1
+            self.precise.clear(name)
+            self.approx.clear(name)
+            log.warning("KV events of %s restarted (seq %d): index cleared", name, rec.seq)
+        elif rec.gap:
+            r.events_gaps += 1
+            self.precise.clear(name)
+            self._stale_since[name] = time.monotonic()
+            r.events_state = "stale"
+            log.warning("KV events of %s: %d batches lost; precise entries dropped, resyncing", name, rec.gap)
+        self.precise.apply(name, rec.batch.events)
+        r.events_received += 1
+        if r.events_state != "live":
+            since = self._stale_since.get(name)
+            if since is None or time.monotonic() - since >= self.resync_s:
+                self._stale_since.pop(name, None)
+                r.events_state = "live"
+        if self.on_batch is not None:
+            self.on_batch(r, rec)
+
+    async def run(self, r: Replica) -> None:
+        """Subscribe to `r.endpoint.kv_events` until cancelled."""
+        assert r.endpoint.kv_events
+        sub = EventSubscriber(r.endpoint.kv_events)
+        r.events_state = "connecting"
+        n = 0
+        try:
+            while True:
+                rec = await sub.recv()
+                try:
+                    self.ingest(r, rec)
+                except Exception as exc:  # a bad batch must not kill the feed
+                    log.warning("KV events of %s: batch %d ignored: %s", r.name, rec.seq, exc)
+                n += 1
+                if n % 64 == 0:
+                    await asyncio.sleep(0)   # a flood of events must not starve request handling
+        finally:
+            sub.close()

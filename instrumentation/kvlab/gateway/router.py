@@ -1,0 +1,71 @@
+"""From prompt tokens to a routing decision: block keys per block size, index lookup, scheduler.
+
+Each replica is looked up in the index it can be trusted in: the precise (KV-event) index when
+its event stream is live, the approximate (learned) index otherwise. The chosen replica's
+blocks are then learned by the approximate index, whatever the policy, so it is ready as a
+fallback the moment an event stream goes stale.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvlab.gateway.config import PolicyConfig
+from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.scheduler.base import Decision, RouteRequest, Scheduler
+from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.errors import NoEndpointAvailable
+
+
+@dataclass(slots=True)
+class Routed:
+    decision: Decision
+    keys_by_size: dict[int, list[int]]
+    index_of: dict[str, str]          # replica -> "precise" | "approximate"
+    keys_s: float                     # hashing time
+    total_s: float                    # hashing + lookup + scoring
+
+
+class Router:
+    def __init__(self, cfg: PolicyConfig, registry: Registry, precise: PreciseIndex,
+                 approx: ApproximateIndex, scheduler: Scheduler) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.precise = precise
+        self.approx = approx
+        self.scheduler = scheduler
+
+    def block_size(self, r: Replica) -> int:
+        return r.block_size or self.precise.block_size.get(r.name) or self.cfg.index.default_block_size
+
+    def uses_precise(self, r: Replica) -> bool:
+        return self.cfg.index.kind == "precise" and r.events_state == "live"
+
+    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> Routed:
+        t0 = time.perf_counter()
+        replicas = [r for r in self.registry.candidates() if r.name not in exclude]
+        if not replicas:
+            raise NoEndpointAvailable("no healthy replica to route to")
+        sizes = {r.name: self.block_size(r) for r in replicas}
+        keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
+        t1 = time.perf_counter()
+        precise_sizes = {r.name: sizes[r.name] for r in replicas if self.uses_precise(r)}
+        approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
+        prefix = self.precise.match(keys_by_size, precise_sizes) if precise_sizes else {}
+        if approx_sizes:
+            prefix.update(self.approx.match(keys_by_size, approx_sizes))
+        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix)
+        self.learn(decision.chosen.replica, keys_by_size, sizes)
+        index_of = {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
+        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
+
+    def learn(self, r: Replica, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
+        bs = sizes[r.name] if sizes and r.name in sizes else self.block_size(r)
+        keys = keys_by_size.get(bs)
+        if keys is None:
+            return
+        if r.num_gpu_blocks:
+            self.approx.capacity_of[r.name] = r.num_gpu_blocks
+        self.approx.learn(r.name, keys, bs)

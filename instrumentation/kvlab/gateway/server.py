@@ -1,0 +1,544 @@
+"""The gateway's HTTP side: an OpenAI-compatible reverse proxy that routes by KV-cache affinity.
+
+Per request: parse and validate the body, tokenize (cached), route (router.Router), then proxy
+to the chosen replica over one shared keep-alive client session. Streams are passed through
+event by event as they arrive. Usage is requested upstream so `cached_tokens` (the delivered
+part of the hit-rate decomposition) is always seen, and stripped again if the client did not ask.
+A refused connection before any byte is retried on the next-ranked replica (bounded); a stream
+that breaks mid-way ends with an SSE error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvlab.errors import NoEndpointAvailable, RequestError, UpstreamError
+from kvlab.gateway.config import PolicyConfig
+from kvlab.gateway.discovery.base import Discovery, Endpoint
+from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.kvevents import EventFeed
+from kvlab.gateway.loadview import LoadView
+from kvlab.gateway.metrics import GatewayMetrics
+from kvlab.gateway.router import Routed, Router
+from kvlab.gateway.scheduler import presets
+from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.telemetry import names
+
+log = logging.getLogger(__name__)
+
+# Retried on the next replica: the replica never answered, so nothing reached the client.
+_RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    choices: list[Any] = []
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def _json_error(err: RequestError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(err.to_json()), status=err.status,
+                        content_type="application/json", headers=headers)
+
+
+def _upstream_error(message: str, status: int = 502) -> web.Response:
+    body = {"error": {"message": message, "type": "UpstreamError", "param": None, "code": status}}
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def _text_of(content: Any) -> str:
+    """A chat message's content as the template sees it (OpenAI text parts joined by newlines)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict):
+                raise RequestError("message content parts must be objects", "messages")
+            if p.get("type") == "text":
+                if not isinstance(p.get("text"), str):
+                    raise RequestError("a text content part needs a string `text`", "messages")
+                parts.append(p["text"])
+        return "\n".join(parts)
+    raise RequestError("message content must be a string or a list of parts", "messages")
+
+
+class Gateway:
+    """The gateway's state and aiohttp application."""
+
+    def __init__(self, cfg: PolicyConfig, discovery: Discovery, tokenizer: PromptTokenizer,
+                 model: str | None = None, scrape_interval_ms: int | None = None) -> None:
+        self.cfg = cfg
+        self.policy = cfg.name
+        self.discovery = discovery
+        self.tokenizer = tokenizer
+        self.model = model
+        self.registry = Registry(cfg.health.eject_after_failures, cfg.health.readmit_after_s)
+        self.registry.on_eject = self._on_eject
+        self.precise = PreciseIndex()
+        self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
+        self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg))
+        self.metrics = GatewayMetrics(self._snapshot)
+        self.feed = EventFeed(self.precise, self.approx, cfg.kv_events_resync_s, on_batch=self._on_batch)
+        self.tracer = trace.get_tracer("kvlab.gateway")
+        self.scrape_interval_s = (scrape_interval_ms or cfg.health.scrape_interval_ms) / 1000.0
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._feeds: dict[str, asyncio.Task] = {}
+        self._seen_gaps: dict[str, tuple[int, int]] = {}
+        t = cfg.timeouts
+        self._timeout_stream = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.stream_idle_s)
+        self._timeout_unary = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.first_byte_s)
+        self.ready = asyncio.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.limits.max_body_bytes,
+                              middlewares=[self._errors_middleware])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/debug/endpoints", self.debug_endpoints)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        loadview = LoadView(self.registry, self.session, self.scrape_interval_s, self.cfg.timeouts.scrape_s)
+        self._tasks.append(asyncio.create_task(self._discover()))
+        self._tasks.append(asyncio.create_task(loadview.run()))
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for t in [*self._tasks, *self._feeds.values()]:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._feeds.values(), return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def _discover(self) -> None:
+        try:
+            await self.discovery.run(self.set_endpoints)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discovery stopped; keeping the last known endpoints")
+
+    async def set_endpoints(self, endpoints: list[Endpoint]) -> None:
+        added, removed = self.registry.update(endpoints)
+        for r in removed:
+            task = self._feeds.pop(r.name, None)
+            if task is not None:
+                task.cancel()
+            self.precise.remove(r.name)
+            self.approx.remove(r.name)
+        for r in added:
+            if r.endpoint.kv_events and self.cfg.index.kind == "precise":
+                self._feeds[r.name] = asyncio.create_task(self._run_feed(r))
+        self.ready.set()
+
+    async def _run_feed(self, r: Replica) -> None:
+        try:
+            await self.feed.run(r)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never takes the gateway down; the replica falls back to approximate
+            r.events_state = "stale"
+            log.warning("KV-event feed of %s stopped: %s", r.name, exc)
+
+    def _on_batch(self, r: Replica, rec) -> None:
+        self.metrics.kv_events.labels(r.name).inc()
+        if rec.gap or rec.restarted:
+            self.metrics.kv_event_gaps.labels(r.name, "restart" if rec.restarted else "gap").inc()
+
+    def _on_eject(self, r: Replica) -> None:
+        self.metrics.ejections.labels(r.name).inc()
+        log.warning("ejected %s: %s", r.name, r.last_error)
+
+    def _snapshot(self):
+        for r in list(self.registry.replicas.values()):
+            yield r.name, r.inflight, r.healthy, self.precise.blocks(r.name), self.approx.blocks(r.name)
+
+    # ---- small endpoints ---------------------------------------------------------------------
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            err = RequestError(exc.reason)
+            err.status = 400 if exc.status == 413 else exc.status
+            return _json_error(err)
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = [r.name for r in self.registry.replicas.values() if r.healthy]
+        status = 200 if healthy else 503
+        return web.json_response({"status": "ok" if healthy else "no healthy replica",
+                                  "policy": self.policy, "healthy": healthy}, status=status)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_endpoints(self, request: web.Request) -> web.Response:
+        out = []
+        for r in self.registry.replicas.values():
+            out.append({
+                "name": r.name, "url": r.url, "kv_events": r.endpoint.kv_events, "role": r.endpoint.role,
+                "healthy": r.healthy, "failures": r.failures, "ejections": r.ejections,
+                "last_error": r.last_error, "last_scrape": r.last_scrape,
+                "load": {"waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage,
+                         "inflight": r.inflight},
+                "block_size": self.router.block_size(r), "num_gpu_blocks": r.num_gpu_blocks,
+                "index": {"used": "precise" if self.router.uses_precise(r) else "approximate",
+                          "precise_blocks": self.precise.blocks(r.name),
+                          "approximate_blocks": self.approx.blocks(r.name)},
+                "events": {"state": r.events_state, "batches": r.events_received,
+                           "gaps": r.events_gaps, "restarts": r.events_restarts},
+                "routed": r.routed,
+            })
+        return web.json_response({"policy": self.policy, "replicas": out})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        for r in self.registry.candidates():
+            try:
+                async with self.session.get(r.url + "/v1/models", timeout=self._timeout_unary) as resp:
+                    body = await resp.read()
+                    return web.Response(body=body, status=resp.status, content_type="application/json")
+            except _RETRYABLE + (asyncio.TimeoutError,) as exc:
+                self.registry.failure(r, f"models: {exc}")
+        return _upstream_error("no healthy replica to route to", 503)
+
+    # ---- the proxy ---------------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "text_completion")
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        limit = self.cfg.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(f"request body of {request.content_length} bytes exceeds {limit}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(f"request body exceeds {limit} bytes") from None
+        try:
+            payload = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise RequestError("request body must be a JSON object")
+        if "stream" in payload and not isinstance(payload["stream"], bool | None):
+            raise RequestError("`stream` must be a boolean", "stream")
+        return payload
+
+    def _tokenize(self, payload: dict[str, Any], operation: str) -> tuple[list[int], int]:
+        if operation == "chat":
+            messages = payload.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("`messages` must be a non-empty list", "messages")
+            rendered = []
+            for m in messages:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise RequestError("each message must be an object with a string `role`", "messages")
+                rendered.append({"role": m["role"], "content": _text_of(m.get("content"))})
+            agp = payload.get("add_generation_prompt", True)
+            return self.tokenizer.encode_chat(rendered, add_generation_prompt=bool(agp))
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompt = prompt[0]   # a batch is routed by its first prompt
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_text(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt), 0
+        raise RequestError("`prompt` must be a string, a list of strings or a list of token ids", "prompt")
+
+    async def _proxy(self, request: web.Request, operation: str) -> web.StreamResponse:
+        t_start = time.perf_counter()
+        ctx = propagate.extract(request.headers)
+        with self.tracer.start_as_current_span(names.SPAN_GATEWAY_REQUEST, context=ctx, kind=SpanKind.SERVER) as span:
+            span.set_attribute(names.GEN_AI_OPERATION_NAME, operation)
+            span.set_attribute(names.POLICY, self.policy)
+            base_headers = {names.HEADER_POLICY: self.policy}
+            try:
+                payload = await self._read_json(request)
+                stream = bool(payload.get("stream"))
+                model = payload.get("model")
+                if isinstance(model, str):
+                    span.set_attribute(names.GEN_AI_REQUEST_MODEL, model)
+                if isinstance(payload.get("max_tokens"), int):
+                    span.set_attribute(names.GEN_AI_REQUEST_MAX_TOKENS, payload["max_tokens"])
+                span.set_attribute(names.STREAM, stream)
+                with self.tracer.start_as_current_span(names.SPAN_TOKENIZE) as tspan:
+                    t0 = time.perf_counter()
+                    tokens, cache_hit = self._tokenize(payload, operation)
+                    dt = time.perf_counter() - t0
+                    tspan.set_attribute(names.PROMPT_TOKENS, len(tokens))
+                    tspan.set_attribute(names.TOKENIZE_CACHED, cache_hit)
+                    tspan.set_attribute(names.TOKENIZE_MS, dt * 1000)
+                self.metrics.tokenize.observe(dt)
+                limit = self.cfg.limits.max_prompt_tokens
+                if limit is not None and len(tokens) > limit:
+                    raise RequestError(f"prompt of {len(tokens)} tokens exceeds the gateway limit of {limit}", "prompt")
+                span.set_attribute(names.PROMPT_TOKENS, len(tokens))
+                routed = self._schedule(tokens)
+            except RequestError as err:
+                span.set_status(Status(StatusCode.ERROR, err.message))
+                span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, err.status)
+                return _json_error(err, base_headers)
+            except NoEndpointAvailable as err:
+                span.set_status(Status(StatusCode.ERROR, str(err)))
+                span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 503)
+                return _upstream_error(str(err), 503)
+            d = routed.decision
+            span.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
+            headers = {**base_headers,
+                       names.HEADER_PROMPT_TOKENS: str(len(tokens)),
+                       names.HEADER_PREFIX_AVAILABLE: str(d.available_tokens)}
+            self.metrics.prefix_tokens.labels(self.policy, "prompt").inc(len(tokens))
+            self.metrics.prefix_tokens.labels(self.policy, "available").inc(d.available_tokens)
+            # ask upstream for usage (delivered = cached_tokens), strip it later if not asked for
+            client_usage = True
+            if stream:
+                opts = payload.get("stream_options")
+                client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+                if not client_usage:
+                    payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            body = msgspec.json.encode(payload)
+            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start)
+
+    def _schedule(self, tokens: list[int]) -> Routed:
+        with self.tracer.start_as_current_span(names.SPAN_SCHEDULE) as s:
+            routed = self.router.route(tokens)
+            d = routed.decision
+            self.metrics.routing.labels(self.policy).observe(routed.total_s)
+            self.metrics.decisions.labels(self.policy, d.reason).inc()
+            if s.is_recording():
+                s.set_attribute(names.POLICY, self.policy)
+                s.set_attribute(names.SCHEDULE_CHOSEN, d.chosen.name)
+                s.set_attribute(names.SCHEDULE_REASON, d.reason)
+                s.set_attribute(names.SCHEDULE_SHADOW, d.shadow)
+                s.set_attribute(names.SCHEDULE_SHADOW_CHOICE, d.best.name)
+                s.set_attribute(names.SCHEDULE_WEIGHTS, json.dumps(self.router.scheduler.weights))
+                s.set_attribute(names.SCHEDULE_CANDIDATES, json.dumps([
+                    {"replica": c.name, "prefix_tokens": c.prefix_tokens,
+                     "scores": {k: round(v, 4) for k, v in c.scores.items()}, "total": round(c.total, 4),
+                     "waiting": c.replica.waiting, "running": c.replica.running,
+                     "kv_usage": round(c.replica.kv_usage, 4), "inflight": c.replica.inflight,
+                     "filtered": c.name in d.filtered}
+                    for c in d.candidates]))
+                s.set_attribute(names.SCHEDULE_INDEX, json.dumps(routed.index_of))
+                s.set_attribute(names.SCHEDULE_KEYS_MS, routed.keys_s * 1000)
+                s.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
+                s.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
+                s.set_attribute(names.PROMPT_TOKENS, len(tokens))
+        return routed
+
+    async def _forward(self, request: web.Request, span: trace.Span, routed: Routed, body: bytes,
+                       stream: bool, client_usage: bool, headers: dict[str, str],
+                       t_start: float) -> web.StreamResponse:
+        assert self.session is not None
+        d = routed.decision
+        tries = d.ranked[: 1 + self.cfg.limits.max_retries]
+        last_error = "no replica tried"
+        for attempt, cand in enumerate(tries):
+            r = cand.replica
+            if attempt:
+                self.metrics.retries.labels(r.name).inc()
+                self.router.learn(r, routed.keys_by_size)
+            headers[names.HEADER_ROUTED_TO] = r.name
+            headers[names.HEADER_PREFIX_PREDICTED] = str(cand.prefix_tokens)
+            span.set_attribute(names.REPLICA, r.name)
+            span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
+            span.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
+            with self.tracer.start_as_current_span(names.SPAN_UPSTREAM, kind=SpanKind.CLIENT) as up:
+                up.set_attribute(names.REPLICA, r.name)
+                up.set_attribute(names.ENDPOINT, r.url)
+                up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
+                out_headers = {"Content-Type": "application/json"}
+                propagate.inject(out_headers)
+                path = "/v1/chat/completions" if request.path.endswith("chat/completions") else "/v1/completions"
+                r.inflight += 1
+                r.routed += 1
+                try:
+                    try:
+                        resp = await self.session.post(r.url + path, data=body, headers=out_headers,
+                                                       timeout=self._timeout_stream if stream else self._timeout_unary)
+                    except _RETRYABLE as exc:
+                        last_error = f"{r.name}: {type(exc).__name__}: {exc}"
+                        self.metrics.upstream_errors.labels(r.name, "connect").inc()
+                        self.registry.failure(r, last_error)
+                        up.set_attribute(names.UPSTREAM_ERROR, "connect")
+                        up.set_status(Status(StatusCode.ERROR, last_error))
+                        continue
+                    except asyncio.TimeoutError:
+                        last_error = f"{r.name}: no response within the timeout"
+                        self.metrics.upstream_errors.labels(r.name, "timeout").inc()
+                        up.set_attribute(names.UPSTREAM_ERROR, "timeout")
+                        up.set_status(Status(StatusCode.ERROR, last_error))
+                        break   # the replica may be working on it: do not send it twice
+                    self.registry.success(r)
+                    up.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
+                    replica_header = resp.headers.get(names.HEADER_REPLICA)
+                    if replica_header:
+                        headers[names.HEADER_REPLICA] = replica_header
+                    try:
+                        if stream and resp.status == 200:
+                            return await self._relay_stream(request, span, up, r, resp, client_usage, headers, t_start)
+                        return await self._relay_unary(span, up, r, resp, headers)
+                    finally:
+                        resp.release()
+                finally:
+                    r.inflight -= 1
+        span.set_status(Status(StatusCode.ERROR, last_error))
+        span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
+        self.metrics.requests.labels(d.chosen.name, self.policy, "502").inc()
+        resp = _upstream_error(f"upstream failed: {last_error}")
+        resp.headers.update(headers)
+        return resp
+
+    def _delivered(self, span: trace.Span, usage: _Usage | None, headers: dict[str, str] | None = None) -> None:
+        if usage is None:
+            return
+        cached = (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None) or 0
+        span.set_attribute(names.PREFIX_DELIVERED_TOKENS, cached)
+        self.metrics.prefix_tokens.labels(self.policy, "delivered").inc(cached)
+        if usage.prompt_tokens is not None:
+            span.set_attribute(names.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
+        if usage.completion_tokens is not None:
+            span.set_attribute(names.GEN_AI_USAGE_OUTPUT_TOKENS, usage.completion_tokens)
+        if headers is not None:
+            headers[names.HEADER_PREFIX_DELIVERED] = str(cached)
+
+    def _predicted(self, headers: dict[str, str]) -> None:
+        self.metrics.prefix_tokens.labels(self.policy, "predicted").inc(int(headers[names.HEADER_PREFIX_PREDICTED]))
+
+    async def _relay_unary(self, span: trace.Span, up: trace.Span, r: Replica,
+                           resp: aiohttp.ClientResponse, headers: dict[str, str]) -> web.Response:
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            msg = f"{r.name} failed while answering: {type(exc).__name__}: {exc}"
+            self.metrics.upstream_errors.labels(r.name, "body").inc()
+            up.set_attribute(names.UPSTREAM_ERROR, "body")
+            up.set_status(Status(StatusCode.ERROR, msg))
+            span.set_status(Status(StatusCode.ERROR, msg))
+            span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
+            self.metrics.requests.labels(r.name, self.policy, "502").inc()
+            out = _upstream_error(msg)
+            out.headers.update(headers)
+            return out
+        if resp.status == 200:
+            self._predicted(headers)
+            try:
+                self._delivered(span, _usage_decoder.decode(data).usage, headers)
+            except msgspec.DecodeError:
+                pass
+        else:
+            self.metrics.upstream_errors.labels(r.name, f"status_{resp.status}").inc()
+            up.set_attribute(names.UPSTREAM_ERROR, "status")
+        span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
+        self.metrics.requests.labels(r.name, self.policy, str(resp.status)).inc()
+        return web.Response(body=data, status=resp.status, headers={
+            **headers, "Content-Type": resp.headers.get("Content-Type", "application/json")})
+
+    async def _relay_stream(self, request: web.Request, span: trace.Span, up: trace.Span, r: Replica,
+                            resp: aiohttp.ClientResponse, client_usage: bool, headers: dict[str, str],
+                            t_start: float) -> web.StreamResponse:
+        self._predicted(headers)
+        out = web.StreamResponse(status=200, headers={
+            **headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 200)
+        buf = b""
+        first = True
+        status = "200"
+        try:
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                if b"\n\n" not in buf:
+                    continue
+                *events, buf = buf.split(b"\n\n")
+                send = []
+                for ev in events:
+                    if b'"usage"' in ev and ev.startswith(b"data: {"):
+                        try:
+                            parsed = _usage_decoder.decode(ev[6:])
+                        except msgspec.DecodeError:
+                            parsed = None
+                        if parsed is not None and parsed.usage is not None:
+                            self._delivered(span, parsed.usage)
+                            if not client_usage and not parsed.choices:
+                                continue   # the usage-only chunk the client did not ask for
+                    send.append(ev)
+                    send.append(b"\n\n")
+                if send:
+                    if first:
+                        first = False
+                        self.metrics.ttft.labels(self.policy, r.name).observe(time.perf_counter() - t_start)
+                    await out.write(b"".join(send))
+            if buf.strip():
+                await out.write(buf)
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client went away: closing the upstream response aborts the generation there
+            status = "499"
+            resp.close()
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
+            msg = (f"upstream replica {r.name} broke the stream: {type(exc).__name__}"
+                   + (f": {exc}" if str(exc) else ""))
+            self.metrics.upstream_errors.labels(r.name, kind).inc()
+            if kind == "stream":
+                self.registry.failure(r, msg)
+            up.set_attribute(names.UPSTREAM_ERROR, kind)
+            up.set_status(Status(StatusCode.ERROR, msg))
+            span.set_status(Status(StatusCode.ERROR, msg))
+            span.set_attribute(names.ERROR_TYPE, type(exc).__name__)
+            status = "502"
+            err = {"error": {"message": msg, "type": "UpstreamError", "param": None, "code": 502}}
+            try:
+                await out.write(b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n")
+            except ConnectionResetError:
+                pass
+        finally:
+            self.metrics.requests.labels(r.name, self.policy, status).inc()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
+        return out

@@ -1,0 +1,220 @@
+"""The gateway's block index: which replica holds which prompt blocks.
+
+One `BlockTable` maps a block key (the gateway's chained hash, `hashing.block_keys`) to a bit
+mask of the replicas holding it, so a prefix lookup for every replica at once is one dict lookup
+per block: walk the request's keys, AND the masks, note the depth at which each replica drops out.
+
+- `PreciseIndex` is fed by the replicas' KV events. Keys are recomputed from
+  `BlockStored.token_ids` (parent chained through a map from the engine's hash to our key), so the
+  index never depends on the engine's hash function or seed; that same map serves `BlockRemoved`.
+- `ApproximateIndex` learns from the gateway's own routing decisions (the blocks of a prompt are
+  assumed cached where it was sent), with a bounded LRU per replica, for replicas without events.
+
+Replicas may use different block sizes: keys depend on the block size, so a lookup takes the
+request's keys per block size (`keys_by_size`) and each replica is matched against its own.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvlab.kvcache.hashing import ROOT, block_keys
+
+
+class BlockTable:
+    """key -> bit mask of replicas; replicas are registered to get a bit."""
+
+    def __init__(self) -> None:
+        self.masks: dict[int, int] = {}
+        self._bits: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def bit(self, replica: str) -> int:
+        """The replica's bit, allocated on first use."""
+        b = self._bits.get(replica)
+        if b is None:
+            b = self._free.pop() if self._free else 1 << len(self._bits)
+            self._bits[replica] = b
+        return b
+
+    def replicas(self) -> list[str]:
+        return list(self._bits)
+
+    def add(self, replica: str, keys: Iterable[int]) -> None:
+        b = self.bit(replica)
+        masks = self.masks
+        for k in keys:
+            masks[k] = masks.get(k, 0) | b
+
+    def discard(self, replica: str, keys: Iterable[int]) -> None:
+        b = self._bits.get(replica)
+        if b is None:
+            return
+        masks = self.masks
+        nb = ~b
+        for k in keys:
+            m = masks.get(k)
+            if m is not None:
+                m &= nb
+                if m:
+                    masks[k] = m
+                else:
+                    del masks[k]
+
+    def forget(self, replica: str, keys: Iterable[int]) -> None:
+        """Drop all of a replica's keys and release its bit."""
+        self.discard(replica, keys)
+        b = self._bits.pop(replica, None)
+        if b is not None:
+            self._free.append(b)
+
+    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int]) -> dict[str, int]:
+        """Cached prefix length in *tokens* of each replica of `sizes` (replica -> its block size)."""
+        out: dict[str, int] = {}
+        groups: dict[int, int] = {}
+        for r, bs in sizes.items():
+            out[r] = 0
+            b = self._bits.get(r)
+            if b is not None:
+                groups[bs] = groups.get(bs, 0) | b
+        if not groups:
+            return out
+        by_bit = {b: r for r, b in self._bits.items()}
+        masks = self.masks
+        for bs, alive in groups.items():
+            keys = keys_by_size.get(bs)
+            if not keys:
+                continue
+            depth = len(keys)
+            for i, k in enumerate(keys):
+                m = masks.get(k, 0) & alive
+                if m != alive:
+                    dropped = alive & ~m
+                    while dropped:
+                        low = dropped & -dropped
+                        out[by_bit[low]] = i * bs
+                        dropped ^= low
+                    alive = m
+                    if not alive:
+                        break
+            while alive:
+                low = alive & -alive
+                out[by_bit[low]] = depth * bs
+                alive ^= low
+        return out
+
+
+class PreciseIndex:
+    """Fed by KV events. Per replica: engine hash -> gateway key (for removals and parents)."""
+
+    def __init__(self) -> None:
+        self.table = BlockTable()
+        self._engine: dict[str, dict[object, int]] = {}
+        self.block_size: dict[str, int] = {}   # as announced by BlockStored events
+        self.unresolved = 0   # stored blocks whose parent we never saw (skipped)
+
+    def blocks(self, replica: str) -> int:
+        return len(self._engine.get(replica, ()))
+
+    def total_blocks(self) -> int:
+        return sum(len(m) for m in self._engine.values())
+
+    def apply(self, replica: str, events: Iterable[Event]) -> int:
+        """Apply a batch of events from `replica`; returns the number of blocks touched."""
+        emap = self._engine.get(replica)
+        if emap is None:
+            emap = self._engine[replica] = {}
+            self.table.bit(replica)
+        table = self.table
+        touched = 0
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size
+                self.block_size[replica] = bs
+                if ev.parent_block_hash is None:
+                    parent = ROOT
+                else:
+                    parent = emap.get(ev.parent_block_hash)
+                    if parent is None:
+                        self.unresolved += len(ev.block_hashes)
+                        continue
+                keys = block_keys(ev.token_ids, bs, parent)
+                n = min(len(keys), len(ev.block_hashes))
+                for eh, k in zip(ev.block_hashes[:n], keys[:n]):
+                    emap[eh] = k
+                table.add(replica, keys[:n])
+                touched += n
+            elif isinstance(ev, BlockRemoved):
+                table.discard(replica, [k for k in (emap.pop(eh, None) for eh in ev.block_hashes)
+                                        if k is not None])
+                touched += len(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(replica)
+        return touched
+
+    def clear(self, replica: str) -> None:
+        """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy)."""
+        emap = self._engine.get(replica)
+        if emap:
+            self.table.discard(replica, emap.values())
+            emap.clear()
+
+    def remove(self, replica: str) -> None:
+        """The replica left the endpoint set."""
+        emap = self._engine.pop(replica, {})
+        self.table.forget(replica, emap.values())
+        self.block_size.pop(replica, None)
+
+    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int]) -> dict[str, int]:
+        return self.table.match(keys_by_size, sizes)
+
+
+class ApproximateIndex:
+    """Learned from routing decisions: a request's blocks are assumed cached where it went.
+    Bounded per replica (LRU), like the replica's own cache."""
+
+    def __init__(self, capacity_blocks: int = 100_000) -> None:
+        self.table = BlockTable()
+        self.capacity = capacity_blocks
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._block_size: dict[str, int] = {}
+        self.capacity_of: dict[str, int] = {}
+
+    def blocks(self, replica: str) -> int:
+        return len(self._lru.get(replica, ()))
+
+    def learn(self, replica: str, keys: Sequence[int], block_size: int) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            lru = self._lru[replica] = OrderedDict()
+        if self._block_size.get(replica) != block_size:
+            if lru:  # the replica's block size changed: old keys can never match again
+                self.clear(replica)
+            self._block_size[replica] = block_size
+        for k in keys:
+            if k in lru:
+                lru.move_to_end(k)
+            else:
+                lru[k] = None
+        self.table.add(replica, keys)
+        cap = self.capacity_of.get(replica, self.capacity)
+        if len(lru) > cap:
+            evicted = [lru.popitem(last=False)[0] for _ in range(len(lru) - cap)]
+            self.table.discard(replica, evicted)
+
+    def clear(self, replica: str) -> None:
+        lru = self._lru.get(replica)
+        if lru:
+            self.table.discard(replica, lru.keys())
+            lru.clear()
+
+    def remove(self, replica: str) -> None:
+        lru = self._lru.pop(replica, OrderedDict())
+        self.table.forget(replica, lru.keys())
+        self.capacity_of.pop(replica, None)
+        self._block_size.pop(replica, None)
+
+    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int]) -> dict[str, int]:
+        return self.table.match(keys_by_size, sizes)

@@ -1,0 +1,118 @@
+"""The block index: precise (KV-event sequences incl. parents, removals, clears, gaps, restarts)
+and approximate (learned, LRU-bounded)."""
+
+from __future__ import annotations
+
+import random
+
+from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.discovery.base import Endpoint
+from kvlab.gateway.kvevents import EventFeed
+from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.kvcache.transport import Received
+
+BS = 16
+
+
+def engine_hashes(tokens, seed=99):
+    return block_keys(tokens, BS, seed=seed)   # the "engine's" own hash family
+
+
+def stored(tokens, start_block, n_blocks, parent_engine=None):
+    toks = tokens[start_block * BS:(start_block + n_blocks) * BS]
+    eh = engine_hashes(tokens)[start_block:start_block + n_blocks]
+    return BlockStored(block_hashes=eh, parent_block_hash=parent_engine, token_ids=toks, block_size=BS)
+
+
+def test_precise_match_with_chained_parents_and_removal():
+    rng = random.Random(1)
+    prompt = [rng.randrange(2000) for _ in range(10 * BS + 5)]
+    idx = PreciseIndex()
+    eh = engine_hashes(prompt)
+    # stored in two events: blocks 0-3, then 4-7 chained through the engine hash of block 3
+    idx.apply("a", [stored(prompt, 0, 4), stored(prompt, 4, 4, parent_engine=eh[3])])
+    idx.apply("b", [stored(prompt, 0, 2)])
+    keys = {BS: block_keys(prompt, BS)}
+    m = idx.match(keys, {"a": BS, "b": BS, "c": BS})
+    assert m == {"a": 8 * BS, "b": 2 * BS, "c": 0}
+    # removing block 5 on a cuts a's prefix at 5 blocks
+    idx.apply("a", [BlockRemoved(block_hashes=[eh[5]])])
+    assert idx.match(keys, {"a": BS})["a"] == 5 * BS
+    assert idx.blocks("a") == 7
+    idx.apply("a", [AllBlocksCleared()])
+    assert idx.match(keys, {"a": BS, "b": BS}) == {"a": 0, "b": 2 * BS}
+
+
+def test_unknown_parent_is_skipped_not_guessed():
+    prompt = list(range(4 * BS))
+    idx = PreciseIndex()
+    idx.apply("a", [stored(prompt, 2, 2, parent_engine=12345)])
+    assert idx.unresolved == 2 and idx.blocks("a") == 0
+    assert idx.match({BS: block_keys(prompt, BS)}, {"a": BS})["a"] == 0
+
+
+def test_block_sizes_differ_per_replica():
+    prompt = list(range(100, 100 + 64))
+    idx = PreciseIndex()
+    idx.apply("small", [BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=prompt[:32], block_size=16)])
+    idx.apply("big", [BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=prompt[:32], block_size=32)])
+    keys = {16: block_keys(prompt, 16), 32: block_keys(prompt, 32)}
+    assert idx.match(keys, {"small": 16, "big": 32}) == {"small": 32, "big": 32}
+    # matching big with the wrong block size finds nothing: keys depend on the block size
+    assert idx.match(keys, {"big": 16}) == {"big": 0}
+
+
+def _replica(name="a"):
+    return Replica(Endpoint(name=name, url="http://x"), events_state="connecting")
+
+
+def test_feed_gap_marks_stale_and_restart_clears_both_indexes():
+    prompt = list(range(8 * BS))
+    precise, approx = PreciseIndex(), ApproximateIndex()
+    feed = EventFeed(precise, approx, resync_s=0.0)
+    r = _replica()
+    keys = {BS: block_keys(prompt, BS)}
+    feed.ingest(r, Received(0, KVEventBatch(ts=0, events=[stored(prompt, 0, 4)])))
+    assert r.events_state == "live" and precise.match(keys, {"a": BS})["a"] == 4 * BS
+    # batches 1-2 lost: the entries can no longer be trusted
+    feed.ingest(r, Received(3, KVEventBatch(ts=0, events=[]), gap=2))
+    assert precise.match(keys, {"a": BS})["a"] == 0 and r.events_gaps == 1
+    feed.resync_s = 60
+    feed.ingest(r, Received(5, KVEventBatch(ts=0, events=[]), gap=1))
+    assert r.events_state == "stale"
+    feed.ingest(r, Received(6, KVEventBatch(ts=0, events=[stored(prompt, 0, 2)])))
+    assert r.events_state == "stale"           # not trusted again before resync_s
+    assert precise.match(keys, {"a": BS})["a"] == 2 * BS   # but rebuilding already
+    approx.learn("a", keys[BS], BS)
+    feed.ingest(r, Received(0, KVEventBatch(ts=0, events=[]), restarted=True))
+    assert precise.match(keys, {"a": BS})["a"] == 0
+    assert approx.match(keys, {"a": BS})["a"] == 0 and r.events_restarts == 1
+
+
+def test_approximate_lru_is_bounded_and_learns_prefixes():
+    idx = ApproximateIndex(capacity_blocks=10)
+    p1 = list(range(8 * BS))
+    p2 = list(range(5000, 5000 + 8 * BS))
+    k1, k2 = block_keys(p1, BS), block_keys(p2, BS)
+    idx.learn("a", k1, BS)
+    assert idx.match({BS: k1}, {"a": BS, "b": BS}) == {"a": 8 * BS, "b": 0}
+    idx.learn("a", k2, BS)          # 16 blocks > 10: the oldest (p1's first 6) are evicted
+    assert idx.blocks("a") == 10
+    assert idx.match({BS: k1}, {"a": BS})["a"] == 0
+    assert idx.match({BS: k2}, {"a": BS})["a"] == 8 * BS
+    idx.remove("a")
+    assert idx.match({BS: k2}, {"a": BS})["a"] == 0 and not idx.table.masks
+
+
+def test_many_replicas_bits_are_reused():
+    idx = PreciseIndex()
+    prompt = list(range(2 * BS))
+    for i in range(70):   # more than 64 replicas over time: bits are freed and reused
+        idx.apply(f"r{i}", [BlockStored(block_hashes=[i], parent_block_hash=None, token_ids=prompt[:BS], block_size=BS)])
+        if i % 2:
+            idx.remove(f"r{i}")
+    keys = {BS: block_keys(prompt, BS)}
+    m = idx.match(keys, {f"r{i}": BS for i in range(70)})
+    assert all(m[f"r{i}"] == (0 if i % 2 else BS) for i in range(70))
