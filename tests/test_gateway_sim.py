@@ -262,10 +262,15 @@ def test_spans_one_trace_from_client_to_replica(sims, spans, otlp):
                 propagate.inject(headers)
                 st, hdr, body = await g.chat(doc(200), "trace me", stream=True, headers=headers)
             assert st == 200
-            return format(client_span.get_span_context().trace_id, "032x")
+            async with g.client.get(g.url + "/metrics",
+                                    headers={"Accept": "application/openmetrics-text; version=1.0.0"}) as r:
+                exposition = await r.text()
+            return format(client_span.get_span_context().trace_id, "032x"), exposition
 
     spans.clear()
-    trace_id = asyncio.run(asyncio.wait_for(go(), 60))
+    trace_id, exposition = asyncio.run(asyncio.wait_for(go(), 60))
+    # the gateway's TTFT histogram links to this trace (an OpenMetrics exemplar)
+    assert f'# {{trace_id="{trace_id}"}}' in exposition
     mine = {s.name: s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
     assert {names.SPAN_GATEWAY_REQUEST, names.SPAN_TOKENIZE, names.SPAN_SCHEDULE, names.SPAN_UPSTREAM} <= set(mine)
     req, sched, up = mine[names.SPAN_GATEWAY_REQUEST], mine[names.SPAN_SCHEDULE], mine[names.SPAN_UPSTREAM]

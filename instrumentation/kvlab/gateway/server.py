@@ -22,6 +22,7 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvlab.errors import NoEndpointAvailable, RequestError, UpstreamError
 from kvlab.gateway.config import PolicyConfig
@@ -41,6 +42,12 @@ log = logging.getLogger(__name__)
 # Retried on the next replica: the replica never answered, so nothing reached the client.
 _RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
+
+
+def _exemplar(span: trace.Span) -> dict[str, str] | None:
+    """The trace-id exemplar for a latency observation (None when the span is not recorded)."""
+    ctx = span.get_span_context()
+    return {"trace_id": format(ctx.trace_id, "032x")} if ctx.is_valid and ctx.trace_flags.sampled else None
 
 class _Details(msgspec.Struct):
     cached_tokens: int | None = None
@@ -205,6 +212,11 @@ class Gateway:
                                   "policy": self.policy, "healthy": healthy}, status=status)
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        # Prometheus asks for OpenMetrics when exemplar storage is on: only that format carries
+        # the trace-id exemplars Grafana links from latency panels to traces
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):
+            return web.Response(body=openmetrics.generate_latest(self.metrics.registry),
+                                headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -509,7 +521,8 @@ class Gateway:
                 if send:
                     if first:
                         first = False
-                        self.metrics.ttft.labels(self.policy, r.name).observe(time.perf_counter() - t_start)
+                        self.metrics.ttft.labels(self.policy, r.name).observe(
+                            time.perf_counter() - t_start, exemplar=_exemplar(span))
                     await out.write(b"".join(send))
             if buf.strip():
                 await out.write(buf)
