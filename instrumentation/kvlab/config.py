@@ -7,6 +7,7 @@ file, the path inside it and the fields that are allowed.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,13 +58,29 @@ def convert(data: Any, cls: type[T], source: str = "<config>") -> T:
         raise ConfigError(f"{source}: {msg}{hint}") from None
 
 
-def load_yaml(path: str | Path, cls: type[T]) -> T:
-    """Read a YAML file into `cls` (see `convert`)."""
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans: only true/false, so `traces: off` stays the string "off"."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Plain data from a YAML file (YAML 1.2 booleans), or a ConfigError naming the file."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        return yaml.load(p.read_text(), Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return convert(data, cls, str(p))
+
+
+def load_yaml(path: str | Path, cls: type[T]) -> T:
+    """Read a YAML file into `cls` (see `convert`)."""
+    return convert(read_yaml(path), cls, str(path))

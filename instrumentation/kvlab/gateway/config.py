@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import yaml
 
-from kvlab.config import Strict, convert
+from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
+from kvlab.gateway.autoscale import AutoscaleSettings
 
-PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware")
+PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind")
 
 
 class Weights(Strict):
@@ -27,6 +27,7 @@ class Weights(Strict):
     queue: float = 0.0
     kv_usage: float = 0.0
     inflight: float = 0.0
+    inflight_tokens: float = 0.0         # prefill tokens in flight (per data-parallel rank, docs/wide-ep.md)
 
 
 class Thresholds(Strict):
@@ -72,10 +73,18 @@ class StaticEndpoint(Strict):
     role: Literal["both", "prefill", "decode"] = "both"
 
 
+class PDSettings(Strict):
+    """Prefill/decode disaggregation (docs/pd.md). Active only when prefill-role endpoints exist:
+    split when the chosen decode replica lacks at least `threshold_tokens` of the prompt."""
+
+    enabled: bool = True
+    threshold_tokens: int = 256           # uncached prompt tokens on the decode replica that justify a remote prefill
+
+
 class PolicyConfig(Strict):
     name: str
     description: str = ""
-    picker: Literal["max-score", "round-robin", "random"] = "max-score"
+    picker: Literal["max-score", "round-robin", "random", "rank-blind"] = "max-score"
     weights: Weights = Weights()
     thresholds: Thresholds = Thresholds()
     index: IndexSettings = IndexSettings()
@@ -85,6 +94,8 @@ class PolicyConfig(Strict):
     tokenize_cache_entries: int = 50_000
     kv_events_resync_s: float = 10.0      # gap-free events needed before a stale replica is trusted again
     endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
+    pd: PDSettings = PDSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
 
 
 def preset_path(name: str) -> Path:
@@ -92,12 +103,7 @@ def preset_path(name: str) -> Path:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data

@@ -1,0 +1,167 @@
+"""`kvlab lab` (what `make lab` runs): cache-blind vs KV-aware on the same replicas, workload and seed.
+
+Starts the replicas once (simulator by default), then per phase: reset every replica's prefix
+cache, start the gateway with the phase's policy (round-robin first, kv-aware second), run the
+Locust workload headless, stop the gateway. Writes runs/<id>/phase-N-<policy>/{requests.jsonl,
+summary.json}, runs/<id>/summary.json (both phases and their ratios) and runs/<id>/report.html,
+and prints the before/after table. docs/lab.md explains the phases and how to read the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvlab.errors import KvlabError
+from kvlab.load.runner import run_bench
+from kvlab.load.summary import read_jsonl
+from kvlab.load.table import metric_value, summary_table
+from kvlab.load.workloads import NAMES, create
+from kvlab.report import write_report
+from kvlab.report.html import headline
+from kvlab.stack.cli import resolve_topology
+from kvlab.stack.local import LocalStack
+from kvlab.stack.state import new_run_dir, set_latest, write_json
+from kvlab.topology import Topology, load_topology
+
+DEFAULT_POLICIES = "round-robin,kv-aware"
+FULL = {"duration": 60.0, "users": 12}
+QUICK = {"duration": 25.0, "users": 8}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlab lab", description=__doc__.splitlines()[0])
+    p.add_argument("--topology", default="quickstart", help="labs/topologies name or YAML file (default: quickstart)")
+    p.add_argument("--engine", choices=["sim", "vllm"], help="override the topology's engine")
+    p.add_argument("--replicas", type=int, help="override the number of replicas (single-pool topologies)")
+    p.add_argument("--workload", choices=NAMES, default="shared-prefix")
+    p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters")
+    p.add_argument("--duration", type=float, help=f"seconds per phase (default {FULL['duration']:.0f}, quick {QUICK['duration']:.0f})")
+    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {FULL['users']}, quick {QUICK['users']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one phase each")
+    p.add_argument("--quick", action="store_true", help="short phases (the CI check; ~1 minute in all)")
+    p.add_argument("--run-dir", help="where to write (default: a new runs/<id>)")
+    return p
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    topology = load_topology(resolve_topology(args.topology))
+    changes: dict[str, Any] = {}
+    if args.engine:
+        changes["engine"] = args.engine
+    if args.replicas is not None:
+        if len(topology.pools) != 1:
+            raise KvlabError("--replicas needs a topology with one pool")
+        changes["pools"] = [msgspec.structs.replace(topology.pools[0], replicas=args.replicas)]
+    return msgspec.structs.replace(topology, **changes) if changes else topology
+
+
+def _live(records: list[dict[str, Any]]) -> str:
+    ok = [r["ttft_ms"] for r in records if not r.get("error") and r.get("ttft_ms") is not None]
+    errors = sum(1 for r in records if r.get("error"))
+    p50 = f"{np.percentile(ok, 50):.0f} ms" if ok else "–"
+    return f"{len(records)} requests, TTFT p50 {p50}, {errors} errors"
+
+
+def comparison(summaries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Ratios of the last phase against the first (what the lab's checks and headline use)."""
+    first, last = list(summaries.values())[0], list(summaries.values())[-1]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {
+        "ttft_p50_speedup": ratio(metric_value(first, ("ttft_ms", "p50")), metric_value(last, ("ttft_ms", "p50"))),
+        "ttft_p95_speedup": ratio(metric_value(first, ("ttft_ms", "p95")), metric_value(last, ("ttft_ms", "p95"))),
+        "delivered_hit_rate_gain": ratio(metric_value(last, ("hit_rate", "delivered")),
+                                         metric_value(first, ("hit_rate", "delivered"))),
+        "throughput_gain": ratio(last.get("rps"), first.get("rps")),
+        "output_tok_s_gain": ratio(last.get("output_tok_s"), first.get("output_tok_s")),
+    }
+
+
+def run_lab(args: argparse.Namespace, console: Console) -> Path:
+    preset = QUICK if args.quick else FULL
+    duration = args.duration or preset["duration"]
+    users = args.users or preset["users"]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    params = json.loads(args.workload_params)
+    workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
+    topology = _topology(args)
+    run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
+    console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
+    console.print(f"{topology.total_replicas} {topology.engine} replicas · workload {workload.name} "
+                  f"(seed {args.seed}) · {users} users · {duration:.0f} s per phase · phases: {' → '.join(policies)}")
+    phases: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    with LocalStack(topology, run_dir) as stack:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        set_latest(run_dir)
+        with console.status("starting replicas and telemetry..."):
+            stack.start_traces()
+            stack.start_engines()
+            stack.start_prometheus()
+        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in stack.replicas)} "
+                      f"({time.monotonic() - started:.0f} s); logs in {stack.logs}")
+        with Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), TimeElapsedColumn(),
+                      TextColumn("{task.fields[live]}"), console=console) as progress:
+            for n, policy in enumerate(policies, 1):
+                task = progress.add_task(f"phase {n}: {policy}", total=duration, live="starting gateway...")
+                stack.stop_gateway()
+                stack.reset_caches()
+                stack.start_gateway(policy)
+
+                def update(elapsed: float, records: list[dict[str, Any]], task=task) -> None:
+                    progress.update(task, completed=min(elapsed, duration), live=_live(records))
+
+                out = run_dir / f"phase-{n}-{policy}"
+                summary = run_bench(stack.gateway_url, out, workload=workload.name, params=params, users=users,
+                                    duration_s=duration, seed=args.seed, model=topology.model, phase=policy,
+                                    policy=policy, otlp_endpoint=stack.otlp_endpoint, progress=update)
+                progress.update(task, completed=duration)
+                phases[policy] = {"summary": summary, "records": read_jsonl(out / "requests.jsonl")}
+            stack.stop_gateway()
+    summaries = {p: v["summary"] for p, v in phases.items()}
+    document = {
+        "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
+        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
+        "workload": workload.describe(), "users": users, "duration_s": duration, "quick": args.quick,
+        "policies": policies, "phases": summaries, "comparison": comparison(summaries),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    write_json(run_dir / "summary.json", document)
+    meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
+            "workload": workload.name, "seed": args.seed, "users": users, "seconds per phase": duration}
+    report = write_report(run_dir / "report.html", phases, meta)
+    console.print(summary_table(summaries, title="before → after"))
+    console.print(f"[bold]{headline(summaries)}[/bold]")
+    console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  "
+                  f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
+    return run_dir
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    console = Console()
+    try:
+        run_dir = run_lab(args, console)
+    except (KvlabError, ValueError) as exc:
+        console.print(f"kvlab lab: {exc}", style="red", markup=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every process was stopped[/yellow]")
+        return 130
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if any(s["ok"] == 0 for s in summary["phases"].values()):
+        console.print("[red]a phase completed no request; see the logs under the run dir[/red]")
+        return 1
+    return 0

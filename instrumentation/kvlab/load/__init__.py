@@ -1,0 +1,1 @@
+"""Load generation: deterministic workloads, Locust users that measure streaming, `kvlab bench`."""

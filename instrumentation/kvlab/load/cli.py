@@ -1,0 +1,57 @@
+"""`kvlab bench`: one headless Locust run of a workload against a target; prints the summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from kvlab.errors import KvlabError
+from kvlab.load.runner import run_bench
+from kvlab.load.table import summary_table
+from kvlab.load.workloads import NAMES
+from kvlab.stack.state import latest_stack, runs_dir
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlab bench", description=__doc__)
+    p.add_argument("--target", help="base URL of an OpenAI-compatible API (default: the gateway of runs/latest)")
+    p.add_argument("--workload", choices=NAMES, default="shared-prefix")
+    p.add_argument("--params", default="{}", help='workload parameters as JSON, e.g. \'{"groups": 16}\'')
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--spawn-rate", type=float, help="users started per second (default: all at once)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="served model name (default: the stack's, else kvlab-tiny)")
+    p.add_argument("--phase", default="bench", help="label for the records")
+    p.add_argument("--out", help="output directory (default: runs/latest/bench-<time>, else runs/bench-<time>)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    console = Console()
+    stack = latest_stack()
+    target = args.target or (stack or {}).get("gateway")
+    if not target:
+        console.print("[red]kvlab bench: no --target and no running stack (start one with `kvlab up`)[/red]")
+        return 2
+    model = args.model or ((stack or {}).get("topology") or {}).get("model") or "kvlab-tiny"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else (Path(stack["run_dir"]) if stack else runs_dir()) / f"bench-{stamp}"
+    try:
+        params = json.loads(args.params)
+        with console.status(f"Locust: {args.workload}, {args.users} users, {args.duration:.0f} s against {target}"):
+            summary = run_bench(target, out, workload=args.workload, params=params, users=args.users,
+                                spawn_rate=args.spawn_rate, duration_s=args.duration, seed=args.seed,
+                                model=model, phase=args.phase,
+                                otlp_endpoint=(stack or {}).get("otlp_endpoint"))
+    except (KvlabError, ValueError) as exc:
+        console.print(f"kvlab bench: {exc}", style="red", markup=False)
+        return 1
+    console.print(summary_table({args.phase: summary}))
+    console.print(f"records: {out / 'requests.jsonl'}\nsummary: {out / 'summary.json'}")
+    return 0 if summary["ok"] else 1

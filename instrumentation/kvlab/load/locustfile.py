@@ -1,0 +1,84 @@
+"""The kvlab locustfile: `locust -f labs/locustfile.py` (web UI) or `kvlab bench` (headless).
+
+Options (Locust custom arguments, shown in the web UI, or env vars): --workload (KVLAB_WORKLOAD),
+--workload-params JSON (KVLAB_WORKLOAD_PARAMS), --seed (KVLAB_SEED), --model (KVLAB_MODEL),
+--phase / --policy labels (KVLAB_PHASE, KVLAB_POLICY), --requests-out FILE (KVLAB_REQUESTS_OUT:
+one JSON line per request). Without --host the gateway of the newest local stack
+(runs/latest/stack.json) is the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+from locust import events
+
+from kvlab.load import users
+from kvlab.load.users import ChatUser
+from kvlab.load.workloads import NAMES, create
+from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
+__all__ = ["ChatUser"]
+
+_out: IO[str] | None = None
+
+
+def _stack_gateway() -> str | None:
+    stack = Path(os.environ.get("KVLAB_RUNS_DIR", "runs")) / "latest" / "stack.json"
+    try:
+        return json.loads(stack.read_text()).get("gateway")
+    except (OSError, ValueError):
+        return None
+
+
+ChatUser.host = _stack_gateway()
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    parser.add_argument("--workload", choices=NAMES, default="shared-prefix", env_var="KVLAB_WORKLOAD",
+                        help="kvlab workload")
+    parser.add_argument("--workload-params", default="{}", env_var="KVLAB_WORKLOAD_PARAMS",
+                        help="JSON object of workload parameters, e.g. {\"groups\": 16}")
+    parser.add_argument("--seed", type=int, default=0, env_var="KVLAB_SEED", help="workload seed")
+    parser.add_argument("--model", default="kvlab-tiny", env_var="KVLAB_MODEL", help="served model name")
+    parser.add_argument("--phase", default="", env_var="KVLAB_PHASE", help="label written to each record")
+    parser.add_argument("--policy", default="", env_var="KVLAB_POLICY",
+                        help="label written to each record (the gateway's header wins)")
+    parser.add_argument("--requests-out", default="", env_var="KVLAB_REQUESTS_OUT",
+                        help="write one JSON line per request to this file")
+
+
+@events.init.add_listener
+def _init(environment: Any, **_: Any) -> None:
+    configure_tracing("kvlab-locust")
+
+
+@events.test_start.add_listener
+def _start(environment: Any, **_: Any) -> None:
+    global _out
+    opts = environment.parsed_options
+    workload = create(opts.workload, seed=opts.seed, params=json.loads(opts.workload_params or "{}"))
+    users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy)
+    if opts.requests_out and _out is None:
+        Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
+        _out = open(opts.requests_out, "a", buffering=1)
+
+
+@events.request.add_listener
+def _record(context: dict | None = None, **_: Any) -> None:
+    record = (context or {}).get("kvlab_record")
+    if record is not None and _out is not None:
+        _out.write(json.dumps(record) + "\n")
+
+
+@events.quitting.add_listener
+def _quit(environment: Any, **_: Any) -> None:
+    global _out
+    if _out is not None:
+        _out.close()
+        _out = None
+    shutdown_tracing()

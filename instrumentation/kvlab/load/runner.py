@@ -1,0 +1,105 @@
+"""Run Locust headless in a subprocess (gevent stays out of asyncio processes) and summarize it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvlab.errors import StackError
+from kvlab.load.summary import summarize
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
+
+Progress = Callable[[float, list[dict[str, Any]]], None]
+
+
+class JsonlTail:
+    """Reads the complete lines appended to a JSONL file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._pos = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return self.records
+        self._pos += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.strip():
+                self.records.append(json.loads(line))
+        return self.records
+
+
+def locust_argv(target: str, out_dir: Path, workload: str, params: dict[str, Any] | None, users: int,
+                spawn_rate: float, duration_s: float, seed: int, model: str, phase: str = "",
+                policy: str = "") -> list[str]:
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
+            "-u", str(users), "-r", str(spawn_rate), "-t", f"{max(1, round(duration_s))}s",
+            "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
+            "--loglevel", "WARNING", "--exit-code-on-error", "0",
+            "--workload", workload, "--workload-params", json.dumps(params or {}), "--seed", str(seed),
+            "--model", model, "--phase", phase, "--policy", policy,
+            "--requests-out", str(out_dir / "requests.jsonl")]
+
+
+def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefix",
+              params: dict[str, Any] | None = None, users: int = 16, spawn_rate: float | None = None,
+              duration_s: float = 30.0, seed: int = 0, model: str = "kvlab-tiny", phase: str = "",
+              policy: str = "", otlp_endpoint: str | None = None,
+              progress: Progress | None = None) -> dict[str, Any]:
+    """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.log."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "requests.jsonl"
+    jsonl.unlink(missing_ok=True)
+    env = dict(os.environ, OTEL_SERVICE_NAME="kvlab-locust")
+    if otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
+    argv = locust_argv(target, out, workload, params, users, spawn_rate or users, duration_s, seed, model,
+                       phase, policy)
+    tail = JsonlTail(jsonl)
+    start = time.monotonic()
+    with open(out / "locust.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = start + duration_s + 60
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise StackError(f"locust did not finish in time; see {out / 'locust.log'}")
+                if progress:
+                    progress(time.monotonic() - start, tail.poll())
+                time.sleep(0.25)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    records = tail.poll()
+    if progress:
+        progress(time.monotonic() - start, records)
+    if proc.returncode != 0 and not records:
+        log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
+        raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
+    summary = summarize(records) | {
+        "phase": phase, "policy": policy, "target": target, "users": users, "seed": seed,
+        "workload": workload, "workload_params": params or {}, "configured_duration_s": duration_s,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,39 @@
+"""long-doc-qa: a few long documents, many questions about each.
+
+The document comes first in the user message and the question last, so the document is the
+reusable prefix. Fewer, longer prefixes than shared-prefix: each one costs much more to recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+
+from kvlab.load.workloads.base import Params, Request, Workload, text
+
+
+class LongDocQaParams(Params):
+    documents: int = 8
+    document_tokens: int = 3000
+    questions_per_document: int = 20
+    question_tokens: int = 32
+    output_tokens: int = 32
+
+
+class LongDocQa(Workload):
+    name = "long-doc-qa"
+    Params = LongDocQaParams
+
+    @cached_property
+    def _documents(self) -> list[str]:
+        return [text(self.rng("document", d), self.params.document_tokens) for d in range(self.params.documents)]
+
+    def sessions(self) -> Iterator[list[Request]]:
+        p = self.params
+        rng = self.rng("order")
+        while True:
+            d = rng.randrange(p.documents)
+            q = rng.randrange(p.questions_per_document)
+            question = text(self.rng("question", d, q), p.question_tokens) + "?"
+            content = f"Document:\n{self._documents[d]}\n\nQuestion: {question}"
+            yield [Request(messages=[{"role": "user", "content": content}], max_tokens=p.output_tokens, group=f"d{d}")]

@@ -1,0 +1,103 @@
+"""Render the lab report: one HTML file with plotly.js inlined, so it opens offline."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from kvlab.load.table import ROWS, metric_value
+from kvlab.report import figures
+
+
+PLOT_CONFIG = {"displaylogo": False}
+
+
+def _table(summaries: dict[str, dict[str, Any]]) -> str:
+    head = "".join(f"<th>{html.escape(p)}</th>" for p in summaries)
+    rows = []
+    for label, path, fmt, _ in ROWS:
+        cells = "".join(f"<td>{fmt.format(v) if (v := metric_value(s, path)) is not None else '–'}</td>"
+                        for s in summaries.values())
+        rows.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
+    return f"<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def headline(summaries: dict[str, dict[str, Any]]) -> str:
+    """One sentence comparing the first and last phase (TTFT p50, delivered hit rate, throughput)."""
+    if len(summaries) < 2:
+        return ""
+    (p1, a), (p2, b) = list(summaries.items())[0], list(summaries.items())[-1]
+    t1, t2 = metric_value(a, ("ttft_ms", "p50")), metric_value(b, ("ttft_ms", "p50"))
+    d1, d2 = metric_value(a, ("hit_rate", "delivered")), metric_value(b, ("hit_rate", "delivered"))
+    r1, r2 = a.get("rps") or 0, b.get("rps") or 0
+    parts = []
+    if t1 and t2:
+        parts.append(f"TTFT p50 {t1:.0f} ms → {t2:.0f} ms ({t1 / t2:.1f}× lower)")
+    if d1 is not None and d2 is not None:
+        parts.append(f"delivered hit rate {d1:.0%} → {d2:.0%}")
+    if r1 and r2:
+        parts.append(f"throughput {r1:.1f} → {r2:.1f} req/s ({r2 / r1:.1f}×)")
+    return f"{p1} → {p2}: " + "; ".join(parts)
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;color:#222}
+h1{font-size:1.6em;margin-bottom:.2em} .meta{color:#666;font-size:.9em}
+.headline{font-size:1.15em;background:#f3f8f3;border-left:4px solid #2ca02c;padding:10px 14px;margin:16px 0}
+table{border-collapse:collapse;margin:12px 0} td,th{border-bottom:1px solid #ddd;padding:4px 12px;text-align:right}
+th:first-child{text-align:left} .grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}
+.note{color:#444;font-size:.92em;max-width:70em}
+"""
+
+NOTES = """
+<p class="note"><b>How to read this.</b> Both phases replay the same seeded workload against the same
+replicas, whose prefix caches are reset before each phase. <b>TTFT CDF</b>: a curve further left means
+faster first tokens; a cache miss pays prefill for every prompt token, a hit only for the uncached tail.
+<b>Hit-rate decomposition</b> (fractions of prompt tokens): <i>available</i> = the longest prefix cached on
+any replica (what a perfect router could reuse), <i>predicted</i> = cached on the replica the gateway
+chose, <i>delivered</i> = what the engine reported as <code>cached_tokens</code>. available − predicted is
+cache lost to routing; predicted − delivered is cache lost to eviction or a stale index.
+<b>Requests per replica</b>: round-robin spreads evenly and cache-blind; kv-aware follows the prefixes
+while its load scorers keep replicas from overloading. Traces of every request are under the run
+directory (<code>kvlab traces explain</code>).</p>
+"""
+
+
+def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ..."""
+    summaries = {p: v["summary"] for p, v in phases.items()}
+    records = {p: v["records"] for p, v in phases.items()}
+    figs = [figures.ttft_cdf(records), figures.hit_rates(summaries), figures.throughput(records),
+            figures.requests_per_replica(records)]
+    divs = [pio.to_html(f, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG) for f in figs]
+    wide = pio.to_html(figures.ttft_by_replica_over_time(records), include_plotlyjs=False, full_html=False,
+                       config=PLOT_CONFIG)
+    summary_json = json.dumps(summaries).replace("</", "<\\/")  # safe inside <script>
+    meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>kvlab report {html.escape(str(meta.get('run', '')))}</title>
+<style>{CSS}</style>
+<script type="text/javascript">{get_plotlyjs()}</script>
+</head><body>
+<h1>kvlab: cache-blind vs KV-aware routing</h1>
+<div class="meta">{meta_line}</div>
+<div class="headline">{html.escape(headline(summaries))}</div>
+{_table(summaries)}
+<div class="grid">{''.join(f'<div>{d}</div>' for d in divs)}</div>
+<div>{wide}</div>
+{NOTES}
+<script type="application/json" id="kvlab-summary">{summary_json}</script>
+</body></html>
+"""
+
+
+def write_report(path: str | Path, phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """Write the report to `path` and return it."""
+    out = Path(path)
+    out.write_text(render(phases, meta), encoding="utf-8")
+    return out

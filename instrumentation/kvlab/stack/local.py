@@ -1,0 +1,262 @@
+"""The local stack: replicas, gateway and telemetry as supervised local processes.
+
+Built from a Topology and used two ways: `kvlab up` runs it inside a detached supervisor process,
+`kvlab lab` drives it directly (swapping the gateway's policy between phases). The stack is
+engine-agnostic: it starts `kvlab engine <engine>` and learns the replicas from the ready JSON it
+writes (contract 1), then hands that file to `kvlab gateway --endpoints-file`. Everything it
+starts is recorded in runs/<id>/stack.json (contract 3) with pid, argv and log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+
+from kvlab.errors import StackError
+from kvlab.stack.process import Child
+from kvlab.stack.state import set_latest, write_json
+from kvlab.topology import Pool, Topology
+
+HOST = "127.0.0.1"
+KVLAB = [sys.executable, "-m", "kvlab.cli"]
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_argv(topology: Topology, pool: Pool, name: str, ready_file: Path, log_dir: Path) -> list[str]:
+    """`kvlab engine sim|vllm ...` for one pool; each replica gets its own port and KV-event socket."""
+    argv = [*KVLAB, "engine", topology.engine, "--replicas", str(pool.replicas), "--host", HOST,
+            "--name", name, "--model", topology.model, "--ready-file", str(ready_file)]
+    if topology.tokenizer:
+        argv += ["--tokenizer", topology.tokenizer]
+    if pool.role != "both":
+        argv += ["--role", pool.role]
+    if pool.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(pool.data_parallel_size)]
+    if topology.engine == "sim":
+        s = topology.sim
+        argv += ["--profile", s.profile, "--time-scale", str(s.time_scale), "--block-size", str(s.block_size),
+                 "--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+                 "--max-model-len", str(s.max_model_len), "--seed", str(s.seed)]
+        if s.num_blocks is not None:
+            argv += ["--num-blocks", str(s.num_blocks)]
+    else:
+        v = topology.vllm
+        argv += ["--block-size", str(v.block_size), "--max-model-len", str(v.max_model_len),
+                 "--kv-cache-space-gib", str(v.kv_cache_space_gib), "--log-dir", str(log_dir)]
+        if v.model_dir:
+            argv += ["--model-dir", v.model_dir]
+        if v.extra_args:
+            argv += ["--", *v.extra_args]
+    return argv
+
+
+def _hostport(url: str) -> str:
+    u = urlparse(url)
+    return f"{u.hostname}:{u.port}"
+
+
+class LocalStack:
+    """Start, swap and stop the processes of one topology under `run_dir`."""
+
+    def __init__(self, topology: Topology, run_dir: Path, ready_timeout_s: float | None = None) -> None:
+        self.topology = topology
+        self.run_dir = Path(run_dir).absolute()
+        self.logs = self.run_dir / "logs"
+        self.ready_timeout_s = ready_timeout_s or (600.0 if topology.engine == "vllm" else 60.0)
+        self.children: list[Child] = []
+        self.replicas: list[dict[str, Any]] = []
+        self.gateway: Child | None = None
+        self.gateway_port = free_port()
+        self.policy: str | None = None
+        self.otlp_endpoint: str | None = None
+        self.traces_dir: Path | None = None
+        self.prometheus: str | None = None
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{HOST}:{self.gateway_port}"
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self, policy: str | None = None) -> LocalStack:
+        """Telemetry, replicas, gateway and Prometheus; stack.json written; runs/latest updated."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        set_latest(self.run_dir)
+        try:
+            self.start_traces()
+            self.start_engines()
+            self.start_gateway(policy or self.topology.gateway.policy)
+            self.start_prometheus()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every process this stack started, newest first, and wait for each."""
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+        self.gateway = None
+        self.write_state(status="stopped")
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- parts -----------------------------------------------------------------------------------
+    def _env(self, service: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+        env["OTEL_SERVICE_NAME"] = service
+        if self.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.otlp_endpoint
+            ratio = self.topology.observability.sample_ratio
+            if ratio < 1.0:
+                env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+                env["OTEL_TRACES_SAMPLER_ARG"] = str(ratio)
+        else:
+            env["OTEL_TRACES_EXPORTER"] = "none"
+        return env
+
+    def start_traces(self) -> None:
+        """OTLP endpoint for every process: the observability sink or Jaeger (if present), a URL, or off."""
+        setting = self.topology.observability.traces
+        if setting == "off":
+            return
+        try:
+            from kvlab.telemetry.sink import choose_trace_target, start_trace_target
+        except ImportError:  # observability part not installed: the stack runs without traces
+            if setting.startswith(("http://", "https://")):
+                self.otlp_endpoint = setting.rstrip("/")
+            return
+        target = choose_trace_target(setting, self.run_dir, HOST)
+        self.otlp_endpoint = target.otlp_endpoint
+        self.traces_dir = target.traces_dir
+        if target.query_url:
+            self.extra["jaeger"] = target.query_url
+        if target.argv is not None:
+            log = self.logs / f"{target.kind}.log"
+            try:
+                proc = start_trace_target(target, log)
+            except RuntimeError as exc:
+                raise StackError(f"trace backend: {exc}") from None
+            if proc is not None:
+                self.children.append(Child("traces", list(proc.args), log, proc))
+
+    def start_engines(self) -> None:
+        """One `kvlab engine` process per pool; waits for every ready JSON."""
+        started = []
+        single = len(self.topology.pools) == 1
+        for pool in self.topology.pools:
+            if pool.replicas == 0:
+                continue
+            name = self.topology.engine if single else pool.name
+            ready = self.run_dir / f"ready-{pool.name}.json"
+            ready.unlink(missing_ok=True)
+            argv = engine_argv(self.topology, pool, name, ready, self.logs)
+            child = Child.start(f"engine-{pool.name}", argv, self.logs / f"engine-{pool.name}.log",
+                                self._env(f"kvlab-{self.topology.engine}"))
+            self.children.append(child)
+            started.append((child, ready))
+        for child, ready in started:
+            info = child.wait_ready_file(ready, self.ready_timeout_s)
+            self.replicas.extend(info["replicas"])
+        write_json(self.run_dir / "endpoints.json", {"replicas": self.replicas})
+
+    def start_gateway(self, policy: str) -> None:
+        """`kvlab gateway` on the stack's fixed gateway port with `policy`; waits for /health."""
+        if self.gateway is not None:
+            raise StackError("a gateway is already running; stop_gateway() first")
+        g = self.topology.gateway
+        ready = self.run_dir / "ready-gateway.json"
+        ready.unlink(missing_ok=True)
+        argv = [*KVLAB, "gateway", "--host", HOST, "--port", str(self.gateway_port),
+                "--endpoints-file", str(self.run_dir / "endpoints.json"), "--policy", policy,
+                "--model", self.topology.model, "--scrape-interval-ms", str(g.scrape_interval_ms),
+                "--ready-file", str(ready)]
+        if g.config:
+            argv += ["--config", g.config]
+        if self.topology.tokenizer:
+            argv += ["--tokenizer", self.topology.tokenizer]
+        child = Child.start("gateway", argv, self.logs / f"gateway-{policy}.log", self._env("kvlab-gateway"))
+        self.children.append(child)
+        self.gateway = child
+        self.policy = policy
+        child.wait_ready_file(ready, self.ready_timeout_s)
+        child.wait_http(f"{self.gateway_url}/health", self.ready_timeout_s)
+        self.write_state()
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.children.remove(self.gateway)
+            self.gateway = None
+            self.policy = None
+            self.write_state()
+
+    def start_prometheus(self) -> None:
+        """Prometheus scraping replicas and gateway, when the binary and the hook are there."""
+        if self.topology.observability.prometheus == "off":
+            return
+        try:
+            from kvlab.stack.prometheus import start_prometheus
+        except ImportError:
+            return
+        port = free_port()
+        targets = {"replicas": [_hostport(r["url"]) for r in self.replicas],
+                   "gateway": [f"{HOST}:{self.gateway_port}"]}
+        try:
+            proc = start_prometheus(self.run_dir, targets, port)
+        except RuntimeError as exc:
+            raise StackError(f"prometheus: {exc}") from None
+        if proc is not None:
+            self.children.append(Child("prometheus", list(proc.args), self.run_dir / "prometheus" / "prometheus.log", proc))
+            self.prometheus = f"http://{HOST}:{port}"
+        self.write_state()
+
+    # ---- operations ----------------------------------------------------------------------------------
+    def reset_caches(self) -> None:
+        """POST /reset_prefix_cache on every replica (each then publishes AllBlocksCleared)."""
+        for r in self.replicas:
+            req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    resp.read()
+            except OSError as exc:
+                raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
+
+    def describe(self, status: str = "running") -> dict[str, Any]:
+        """The stack.json document (contract 3, plus `status`, `policy` and `model`)."""
+        return {
+            "id": self.run_dir.name,
+            "run_dir": str(self.run_dir),
+            "status": status,
+            "topology": msgspec.to_builtins(self.topology),
+            "model": self.topology.model,
+            "policy": self.policy,
+            "gateway": self.gateway_url,
+            "replicas": self.replicas,
+            "otlp_endpoint": self.otlp_endpoint,
+            "traces_dir": str(self.traces_dir) if self.traces_dir else None,
+            "prometheus": self.prometheus,
+            **self.extra,
+            "processes": [c.describe() for c in self.children],
+        }
+
+    def write_state(self, status: str = "running") -> None:
+        if self.run_dir.exists():
+            write_json(self.run_dir / "stack.json", self.describe(status))

@@ -1,0 +1,145 @@
+"""Child processes of a stack: started in their own session with a log file, stopped by pid.
+
+Stopping signals the child's process group (it leads one, so helpers it spawned go too):
+SIGTERM, then SIGKILL after a grace period. `stop_recorded` stops a process known only from
+stack.json, after checking that the pid still runs the recorded command (pids get reused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from kvlab.errors import StackError
+
+
+def log_tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class Child:
+    """One supervised process: name, argv, log file, and its Popen (None if adopted by pid)."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, proc: subprocess.Popen | None = None,
+                 pid: int | None = None) -> None:
+        self.name, self.argv, self.log, self.proc = name, [str(a) for a in argv], log, proc
+        self.pid = proc.pid if proc is not None else int(pid or 0)
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Child:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return cls(name, argv, log, proc)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _alive(self.pid)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": str(self.log)}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL after `grace_s`; waits until it is gone."""
+        if not self.alive():
+            if self.proc is not None:
+                self.proc.wait()
+            return
+        _signal_group(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.alive():
+            _signal_group(self.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        else:
+            while _alive(self.pid):
+                time.sleep(0.05)
+
+    def fail(self, what: str) -> StackError:
+        return StackError(f"{self.name} {what}; last lines of {self.log}:\n{log_tail(self.log)}")
+
+    def wait_ready_file(self, path: Path, timeout_s: float) -> dict:
+        """Wait for the JSON the child writes once it listens; StackError if it dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    return json.loads(path.read_text())
+                except ValueError:
+                    pass
+            if not self.alive():
+                raise self.fail(f"exited with {self.proc.returncode if self.proc else '?'} before it was ready")
+            time.sleep(0.05)
+        raise self.fail(f"was not ready after {timeout_s:.0f} s")
+
+    def wait_http(self, url: str, timeout_s: float) -> None:
+        """Poll `url` until it answers 200."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self.fail("exited before it was healthy")
+            if http_ok(url):
+                return
+            time.sleep(0.05)
+        raise self.fail(f"not healthy at {url} after {timeout_s:.0f} s")
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def runs_command(pid: int, argv: list[str]) -> bool:
+    """True when `pid` is alive and its command line is `argv` (guards against pid reuse)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return _alive(pid) and [c.decode(errors="replace") for c in cmdline if c] == [str(a) for a in argv]
+
+
+def stop_recorded(entry: dict, grace_s: float = 10.0) -> bool:
+    """Stop a process recorded in stack.json if it still runs its command; True if it was stopped."""
+    pid, argv = int(entry["pid"]), entry["argv"]
+    if not runs_command(pid, argv):
+        return False
+    Child(entry["name"], argv, Path(entry.get("log", "")), pid=pid).stop(grace_s)
+    return True

@@ -1,0 +1,103 @@
+"""A real Prometheus server for the local stack, scraping the replicas and the gateway.
+
+`start_prometheus` writes `run_dir/prometheus/prometheus.yml` (short scrape interval so a lab of a
+minute or two still has dense series), keeps its TSDB under `run_dir/prometheus/data`, listens on
+loopback only and returns once `/-/ready` answers. Exemplar storage is on, so latency histograms
+that carry trace-id exemplars link to traces in Grafana. No binary → None (the lab still runs;
+dashboards then need a Prometheus of the user's own).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def _duration(seconds: float) -> str:
+    """Prometheus duration text: whole milliseconds ("1s", "250ms")."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def scrape_config(targets: dict[str, list[str]], scrape_interval_s: float = 1.0) -> dict:
+    """The prometheus.yml content: one job per entry of `targets` (job -> ["host:port", ...])."""
+    interval = _duration(scrape_interval_s)
+    timeout = _duration(min(scrape_interval_s, 10.0) * 0.9)
+    return {
+        "global": {"scrape_interval": interval, "scrape_timeout": timeout, "evaluation_interval": interval},
+        "scrape_configs": [
+            {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": list(addrs)}]}
+            for job, addrs in targets.items()
+        ],
+    }
+
+
+def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
+                     scrape_interval_s: float = 1.0) -> subprocess.Popen | None:
+    """Start Prometheus on 127.0.0.1:`port` scraping `targets`; None when the binary is absent.
+
+    The caller owns the process: stop it with `terminate()` then `wait()`. Its log is
+    `run_dir/prometheus/prometheus.log`. RuntimeError if it exits or is not ready in time.
+    """
+    binary = shutil.which("prometheus")
+    if binary is None:
+        return None
+    home = Path(run_dir) / "prometheus"
+    (home / "data").mkdir(parents=True, exist_ok=True)
+    config = home / "prometheus.yml"
+    config.write_text(yaml.safe_dump(scrape_config(targets, scrape_interval_s), sort_keys=False))
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={home / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--storage.tsdb.retention.time=7d",
+        "--enable-feature=exemplar-storage",
+        "--web.enable-lifecycle",
+    ]
+    with (home / "prometheus.log").open("ab") as log_fh:
+        proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/-/ready", proc)
+    except RuntimeError:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    return proc
+
+
+def _wait_ready(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {proc.returncode}; see its log under the run dir")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"prometheus not ready at {url} after {STARTUP_TIMEOUT_S:.0f} s")
+
+
+def active_targets(base_url: str) -> list[dict]:
+    """Prometheus's view of its scrape targets (job, instance, health, lastError)."""
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/api/v1/targets?state=active", timeout=5) as resp:
+        data = json.load(resp)
+    return [{"job": t["labels"].get("job"), "instance": t["labels"].get("instance"),
+             "health": t.get("health"), "lastError": t.get("lastError", "")}
+            for t in data["data"]["activeTargets"]]

@@ -1,0 +1,81 @@
+"""End to end: `kvlab lab --quick` shows the KV-aware win on the default workload and writes the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.stack.process import runs_command
+
+pytestmark = pytest.mark.slow
+
+
+def spans_of(traces_dir: Path, trace_id: str) -> dict[str, set[str]]:
+    """service name -> span names of one trace, from the OTLP JSON files of the run."""
+    found: dict[str, set[str]] = {}
+    for f in traces_dir.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            for rs in json.loads(line).get("resourceSpans", []):
+                service = next(a["value"]["stringValue"] for a in rs["resource"]["attributes"]
+                               if a["key"] == "service.name")
+                for ss in rs.get("scopeSpans", []):
+                    for span in ss.get("spans", []):
+                        if span["traceId"] == trace_id:
+                            found.setdefault(service, set()).add(span["name"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    env = dict(os.environ, KVLAB_RUNS_DIR=str(root / "runs"))
+    result = subprocess.run([sys.executable, "-m", "kvlab.cli", "lab", "--quick"], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=240)
+    run_dir = (root / "runs" / "latest").resolve()
+    return result, run_dir
+
+
+def test_lab_quick_runs_and_prints_the_comparison(lab):
+    result, run_dir = lab
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for text in ("round-robin", "kv-aware", "TTFT p50", "hit rate delivered", "report:"):
+        assert text in result.stdout
+    assert str(run_dir / "report.html") in result.stdout.replace("\n", "")
+
+
+def test_kv_aware_beats_round_robin_by_the_promised_margins(lab):
+    _, run_dir = lab
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rr, kv = summary["phases"]["round-robin"], summary["phases"]["kv-aware"]
+    assert rr["errors"] == 0 and kv["errors"] == 0
+    assert rr["ok"] >= 20 and kv["ok"] >= 20
+    assert kv["ttft_ms"]["p50"] <= rr["ttft_ms"]["p50"] / 3
+    assert kv["hit_rate"]["delivered"] >= 2 * rr["hit_rate"]["delivered"]
+    assert kv["rps"] >= rr["rps"]
+    assert summary["comparison"]["ttft_p50_speedup"] >= 3
+    # round-robin spreads over every replica; kv-aware did not starve any either
+    assert len(rr["replicas"]) == 4 and len(kv["replicas"]) == 4
+
+
+def test_run_dir_has_the_report_per_phase_files_and_one_trace_per_request(lab):
+    _, run_dir = lab
+    html = (run_dir / "report.html").read_text()
+    assert "Plotly.newPlot" in html and "round-robin" in html and "kv-aware" in html
+    for phase in ("phase-1-round-robin", "phase-2-kv-aware"):
+        assert (run_dir / phase / "summary.json").exists()
+        records = [json.loads(x) for x in (run_dir / phase / "requests.jsonl").read_text().splitlines()]
+        assert records and all(r["policy"] == phase.split("-", 2)[2] for r in records)
+        assert all(r["available_tokens"] is not None and r["predicted_tokens"] is not None for r in records)
+    stack = json.loads((run_dir / "stack.json").read_text())
+    assert stack["status"] == "stopped"
+    assert not any(runs_command(int(p["pid"]), p["argv"]) for p in stack["processes"])
+    if stack["traces_dir"]:   # the client's span is the root of a trace that reaches the replica
+        record = json.loads((run_dir / "phase-2-kv-aware" / "requests.jsonl").read_text().splitlines()[-1])
+        spans = spans_of(Path(stack["traces_dir"]), record["trace_id"])
+        assert "client.request" in spans.get("kvlab-locust", set())
+        assert "gateway.request" in spans.get("kvlab-gateway", set())

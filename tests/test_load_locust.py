@@ -1,0 +1,75 @@
+"""Locust users against a real simulator replica: streaming measured, records and Locust CSVs written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from kvlab.load.measure import Record, chat_body, stream_chat
+from kvlab.load.runner import run_bench
+from kvlab.load.workloads import create
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    ready = tmp_path_factory.mktemp("sim") / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "1",
+                             "--ready-file", str(ready), "--time-scale", "0.2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, "simulator exited"
+            assert time.monotonic() < deadline, "simulator not ready"
+            time.sleep(0.05)
+        yield json.loads(ready.read_text())["replicas"][0]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_stream_chat_measures_ttft_itl_and_cached_tokens(replica):
+    req = create("shared-prefix", seed=0, params={"groups": 1, "system_tokens": 600, "output_tokens": 12}).requests(1)[0]
+    with requests.Session() as s:
+        first = stream_chat(s, f"{replica['url']}/v1/chat/completions", chat_body(req, "kvlab-tiny", 0), {},
+                            Record(ts=time.time()))
+        again = stream_chat(s, f"{replica['url']}/v1/chat/completions", chat_body(req, "kvlab-tiny", 1), {},
+                            Record(ts=time.time()))
+        bad = stream_chat(s, f"{replica['url']}/v1/chat/completions", {"model": "nope", "messages": []}, {},
+                          Record(ts=time.time()))
+    assert first.error is None and first.status == 200
+    assert first.output_tokens == 12 and first.prompt_tokens > 600
+    assert 0 < first.ttft_ms < first.e2e_ms and first.itl_ms > 0 and first.tpot_ms > 0
+    assert first.replica == replica["name"]
+    assert first.cached_tokens == 0 and again.cached_tokens >= 0.9 * first.prompt_tokens // 16 * 16
+    assert again.ttft_ms < first.ttft_ms
+    assert bad.error and bad.status in (400, 404) and bad.ttft_ms is None
+
+
+def test_bench_writes_records_summary_and_locust_csv(replica, tmp_path):
+    seen = []
+    summary = run_bench(replica["url"], tmp_path, workload="shared-prefix",
+                        params={"groups": 2, "system_tokens": 300, "output_tokens": 8}, users=3, duration_s=4,
+                        seed=5, phase="direct", progress=lambda elapsed, records: seen.append(len(records)))
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == summary["requests"] >= 5 and summary["errors"] == 0
+    assert max(seen) == len(records)
+    for r in records:
+        assert r["phase"] == "direct" and r["workload"] == "shared-prefix"
+        assert r["ttft_ms"] > 0 and r["output_tokens"] == 8 and r["replica"] == replica["name"]
+        assert len(r["trace_id"]) == 32
+    assert summary["hit_rate"]["delivered"] > 0.3       # 2 groups on one replica: mostly hits
+    assert summary["hit_rate"]["available"] is None      # no gateway, no routing headers
+    assert json.loads((tmp_path / "summary.json").read_text())["ttft_ms"] == summary["ttft_ms"]
+    with open(tmp_path / "locust_stats.csv") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    assert int(rows[("POST", "chat")]["Request Count"]) >= len(records) - 3   # in-flight at stop may be cut
+    assert ("TTFT", "chat") in rows and ("ITL", "chat") in rows

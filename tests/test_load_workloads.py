@@ -1,0 +1,77 @@
+"""Workloads: deterministic with a seed, and shaped as documented (reuse where there should be)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.errors import ConfigError
+from kvlab.load.workloads import NAMES, create
+from kvlab.tokenizer import Tokenizer
+
+tok = Tokenizer()
+
+
+def n_tokens(text: str) -> int:
+    return len(tok.encode(text))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_stream_other_seed_other_stream(name):
+    a = create(name, seed=7).requests(20)
+    b = create(name, seed=7).requests(20)
+    c = create(name, seed=8).requests(20)
+    assert a == b
+    assert [r.messages for r in a] != [r.messages for r in c]
+
+
+def test_shared_prefix_groups_share_their_system_prompt_only():
+    w = create("shared-prefix", seed=1, params={"groups": 6, "prompts_per_group": 3, "system_tokens": 300,
+                                                 "question_tokens": 20, "output_tokens": 8})
+    reqs = w.requests(200)
+    systems: dict[str, set[str]] = {}
+    for r in reqs:
+        assert r.messages[0]["role"] == "system" and r.messages[1]["role"] == "user"
+        assert r.max_tokens == 8
+        systems.setdefault(r.group, set()).add(r.messages[0]["content"])
+    assert len(systems) == 6                                   # every group shows up
+    assert all(len(s) == 1 for s in systems.values())          # one system prompt per group
+    prompts = [next(iter(s)) for s in systems.values()]
+    assert len(set(prompts)) == 6                              # and they differ between groups
+    assert len({p.split()[0] + p.split()[1] for p in prompts}) > 1  # from the first tokens on
+    assert all(280 <= n_tokens(p) <= 300 for p in prompts)
+    questions = {(r.group, r.messages[1]["content"]) for r in reqs}
+    assert len(questions) <= 6 * 3
+
+
+def test_multi_turn_history_grows_and_extends_the_previous_turn():
+    w = create("multi-turn", seed=2, params={"turns": 4})
+    sessions = w.sessions()
+    first, second = next(sessions), next(sessions)
+    assert [r.turn for r in first] == [0, 1, 2, 3]
+    for prev, cur in zip(first, first[1:]):
+        assert cur.messages[: len(prev.messages)] == prev.messages   # the old conversation is the prefix
+        assert len(cur.messages) == len(prev.messages) + 2           # + the answer and a new question
+        assert cur.messages[-2]["role"] == "assistant" and cur.messages[-1]["role"] == "user"
+    assert {r.group for r in first} != {r.group for r in second}
+    assert first[0].messages[0] != second[0].messages[0]
+
+
+def test_long_doc_qa_reuses_few_long_documents():
+    w = create("long-doc-qa", seed=3, params={"documents": 3, "document_tokens": 1000})
+    reqs = w.requests(40)
+    docs = {r.messages[0]["content"].split("\n\nQuestion:")[0] for r in reqs}
+    assert len(docs) == 3
+    assert all(n_tokens(d) >= 900 for d in docs)
+
+
+def test_random_has_no_reuse():
+    reqs = create("random", seed=4, params={"prompt_tokens": 200}).requests(30)
+    firsts = {" ".join(r.messages[0]["content"].split()[:8]) for r in reqs}
+    assert len(firsts) == 30
+
+
+def test_bad_parameters_and_names_are_errors():
+    with pytest.raises(ConfigError, match="groupz"):
+        create("shared-prefix", params={"groupz": 3})
+    with pytest.raises(ConfigError, match="unknown workload"):
+        create("nope")
