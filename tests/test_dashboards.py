@@ -71,9 +71,9 @@ def test_queries_use_only_named_metrics():
 
 
 def test_pending_queries_are_exactly_the_open_issues():
-    assert PENDING_METRICS == {"kvlab-pd-dp": {n.KVLAB_PD_DECISIONS: "issue 8 (P/D decisions)",
-                                               n.KVLAB_KV_TRANSFER_SECONDS: "issue 8 (KV transfer)",
-                                               n.KVLAB_DESIRED_REPLICAS: "issue 9 (autoscaling signal)"}}
+    # issue 9's kvlab_gateway_desired_replicas is exported by every gateway (its panel's data is
+    # checked on a real autoscaling run: tests/test_autoscaling_lab.py)
+    assert PENDING_METRICS == {"kvlab-pd-dp": {}}
 
 
 def test_provisioning_matches_the_dashboards():

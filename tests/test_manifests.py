@@ -129,7 +129,7 @@ def test_replicas_services_and_discovery_agree():
             assert labels["kvlab.io/role"] == pool
             assert labels.items() >= d["spec"]["selector"]["matchLabels"].items()
             ports = {p["name"]: p["containerPort"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]}
-            assert ports == {"http": 8000, "kv-events": 5557}
+            assert ports == {"http": 8000, "kv-events": 5557, **({"nixl": 5600} if gpu else {})}   # P/D: test_manifests_pd
         baseline = next(x for x in manifests if x["kind"] == "Service" and x["metadata"]["name"] == "kvlab-baseline")
         assert baseline["spec"]["selector"].items() <= selector.items()
         assert baseline["spec"]["ports"][0]["nodePort"] == NODE_PORTS["baseline"]

@@ -3,7 +3,8 @@ policies, Locust traffic, the OTLP sink, a real Prometheus), then
 
 - every panel query of every dashboard, evaluated against that Prometheus's data the way Grafana
   would, errors on none and returns series with finite values (only the queries of metrics that
-  open issues add are exempt: kvlab.dashboards.catalog.PENDING_METRICS);
+  open issues add are exempt: kvlab.dashboards.catalog.PENDING_METRICS); the P/D panels against
+  a second, short run of the `pd` topology started alongside;
 - the sink's spans of one request from client, gateway and replica share one trace id;
 - `kvlab traces explain` prints candidates, scores, chosen replica and the three hit-rate numbers;
 - the HTML views render in headless Chromium.
@@ -29,26 +30,48 @@ from kvlab.traces.sources.otlp_files import OtlpFileSource
 pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 
 
+# P/D panels read metrics only a topology with a prefill pool produces: they are proven on a
+# second, short run of labs/topologies/pd.yaml (one kv-aware phase: splits and unified decisions),
+# started together with the main run so the file's wall time barely grows.
+PD_METRICS = (n.KVLAB_PD_DECISIONS, n.KVLAB_KV_TRANSFER_SECONDS)
+PD_LAB = ["--topology", "pd", "--workload", "pd-mix", "--policies", "kv-aware", "--duration", "15", "--users", "6"]
+
+
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> tuple[Path, float, float]:
+def labs(tmp_path_factory) -> dict[str, tuple[Path, float, float]]:
     require_binary("prometheus")
-    run = tmp_path_factory.mktemp("obs") / "run"
+    root = tmp_path_factory.mktemp("obs")
+    argvs = {"main": [], "pd": PD_LAB}
+    procs, out = {}, {}
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "lab", "--quick", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=200)
-    end = time.time()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stack = json.loads((run / "stack.json").read_text())
-    assert stack["prometheus"] and stack["traces_dir"], "the lab ran without Prometheus or the trace sink"
-    return run, start, end
+    for name, extra in argvs.items():
+        procs[name] = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "lab", "--quick", "--run-dir",
+                                        str(root / name), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    try:
+        for name, proc in procs.items():
+            text, _ = proc.communicate(timeout=200)
+            assert proc.returncode == 0, text[-5000:]
+            stack = json.loads((root / name / "stack.json").read_text())
+            assert stack["prometheus"] and stack["traces_dir"], "the lab ran without Prometheus or the trace sink"
+            out[name] = (root / name, start, time.time())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    return out
 
 
 @pytest.fixture(scope="module")
-def prometheus(lab, tmp_path_factory):
+def lab(labs) -> tuple[Path, float, float]:
+    return labs["main"]
+
+
+def _replay(run: Path, tmp_path_factory):
     """A Prometheus serving the TSDB the lab's Prometheus wrote while it scraped the run."""
     from kvlab.stack.prometheus import start_prometheus
 
-    run, _, _ = lab
     home = tmp_path_factory.mktemp("prom-replay")
     shutil.copytree(run / "prometheus" / "data", home / "prometheus" / "data")
     port = free_port()
@@ -59,6 +82,16 @@ def prometheus(lab, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(lab, tmp_path_factory):
+    yield from _replay(lab[0], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pd_prometheus(labs, tmp_path_factory):
+    yield from _replay(labs["pd"][0], tmp_path_factory)
 
 
 def test_every_dashboard_query_returns_data(lab, prometheus):
@@ -73,11 +106,11 @@ def test_every_dashboard_query_returns_data(lab, prometheus):
     with pytest.raises(ValueError):
         query_range(prometheus, "sum by (policy (x)", start, end, 2)
 
-    results = verify(prometheus, start, end)
+    results = [r for r in verify(prometheus, start, end) if not _reads_pd(r.expr)]   # P/D: test below
     failures = [f"{r.uid} / {r.panel} / {r.ref}: {r.problem}\n    {r.expr}" for r in results if not r.ok]
     assert not failures, "panels without data:\n" + "\n".join(failures)
     pending = [r for r in results if r.pending]
-    assert pending and all(r.uid == "kvlab-pd-dp" for r in pending)
+    assert all(r.uid == "kvlab-pd-dp" for r in pending)
     landed = [f"{r.panel} ({r.pending})" for r in pending if r.series]
     if landed:
         print("pending dashboard queries that now return data (drop them from PENDING):", landed)
@@ -85,6 +118,28 @@ def test_every_dashboard_query_returns_data(lab, prometheus):
     policies = {s["metric"]["policy"] for s in query_range(
         prometheus, f"sum by (policy) ({n.KVLAB_REQUESTS}_total)", start, end, 2)}
     assert policies == {"round-robin", "kv-aware"}
+
+
+def _reads_pd(expr: str) -> bool:
+    return any(m in expr for m in PD_METRICS)
+
+
+def test_pd_panels_return_data_on_the_pd_run(labs, pd_prometheus):
+    run, start, end = labs["pd"]
+    results = [r for r in verify(pd_prometheus, start, end) if _reads_pd(r.expr)]
+    assert {r.panel for r in results} == {"P/D decisions by reason", "KV transfer time p50 / p95"}
+    assert not [r for r in results if r.pending], "P/D metrics are exported: nothing about them is pending"
+    failures = [f"{r.panel} / {r.ref}: {r.problem}\n    {r.expr}" for r in results if not r.ok]
+    assert not failures, "P/D panels without data:\n" + "\n".join(failures)
+    # the run made both decisions the panel tells apart, and the transfers it timed were real pulls
+    decisions = {(s["metric"]["decision"], s["metric"]["reason"]) for s in query_range(
+        pd_prometheus, f"sum by (decision, reason) ({n.KVLAB_PD_DECISIONS}_total)", start, end, 2)}
+    assert ("split", "uncached-above-threshold") in decisions and ("unified", "cached-on-decode") in decisions
+    pulls = query_range(pd_prometheus, f"sum({n.KVLAB_KV_TRANSFER_SECONDS}_count)", start, end, 2)
+    assert pulls and max(float(v) for _, v in pulls[0]["values"]) > 0
+    splits = sum(1 for line in (run / "phase-1-kv-aware" / "requests.jsonl").read_text().splitlines()
+                 if json.loads(line).get("pd") == "split")
+    assert splits > 0
 
 
 def test_one_trace_id_from_client_to_replica(lab):

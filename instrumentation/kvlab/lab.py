@@ -1,5 +1,8 @@
 """`kvlab lab` (what `make lab` runs): cache-blind vs KV-aware on the same replicas, workload and seed.
 
+A topology with `gateway.autoscale` runs the ramping-load autoscaling scenario instead
+(kvlab.scenarios.autoscale, docs/autoscaling.md).
+
 Starts the replicas once (simulator by default), then per phase: reset every replica's prefix
 cache, start the gateway with the phase's policy (round-robin first, kv-aware second), run the
 Locust workload headless, stop the gateway. Writes runs/<id>/phase-N-<policy>/{requests.jsonl,
@@ -97,6 +100,11 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     params = json.loads(args.workload_params)
     workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
     topology = _topology(args)
+    if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
+        from kvlab.scenarios.autoscale import run_autoscale
+
+        return run_autoscale(args, topology, console, policies[0] if args.policies != DEFAULT_POLICIES
+                             else topology.gateway.policy)
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · workload {workload.name} "

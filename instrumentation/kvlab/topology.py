@@ -20,6 +20,7 @@ import msgspec
 
 from kvlab.config import Strict, load_yaml
 from kvlab.errors import ConfigError
+from kvlab.gateway.autoscale import AutoscaleSettings
 
 Engine = Literal["sim", "vllm"]
 Role = Literal["both", "prefill", "decode"]
@@ -61,6 +62,10 @@ class GatewaySettings(Strict):
     policy: str = "kv-aware"
     config: str | None = None       # scheduler YAML (weights, thresholds); None = the policy preset
     scrape_interval_ms: int = 200
+    # set: the gateway watches the endpoints file (--discovery file) with these recommender
+    # settings as its policy's `autoscale:` section, and the local stack runs a Scaler acting on
+    # the recommendation (docs/autoscaling.md); `kvlab lab` then runs the ramping-load scenario
+    autoscale: AutoscaleSettings | None = None
 
 
 class ObservabilitySettings(Strict):

@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="HF tokenizer directory (default: kvlab's own)")
     p.add_argument("--scrape-interval-ms", type=int, help="load-view scrape interval (default 200)")
     p.add_argument("--ready-file", help="write {'url', 'policy', 'pid'} here once listening")
-    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--discovery", choices=("static", "kubernetes", "file"), default="static",
+                   help="file: watch --endpoints-file for changes (the local stack rewrites it when it scales)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--selector", default="app.kubernetes.io/component=replica")
     p.add_argument("--replica-port", type=int, default=8000)
@@ -85,6 +86,12 @@ def discovery(args: argparse.Namespace, cfg: PolicyConfig) -> Discovery:
 
         return KubernetesDiscovery(args.namespace, args.selector, api_port=args.replica_port,
                                    kv_events_port=args.replica_kv_events_port or None)
+    if args.discovery == "file":
+        from kvlab.gateway.discovery.file import FileDiscovery
+
+        if not args.endpoints_file:
+            raise ConfigError("--discovery file needs --endpoints-file")
+        return FileDiscovery(args.endpoints_file)
     eps = static_endpoints(args, cfg)
     if not eps:
         raise ConfigError("no endpoints: pass --endpoints, --endpoints-file or list them in --config")

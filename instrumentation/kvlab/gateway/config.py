@@ -17,7 +17,8 @@ from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
 
-PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind")
+PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
+           "kv-aware-unified")
 
 
 class Weights(Strict):
@@ -77,7 +78,7 @@ class PDSettings(Strict):
     """Prefill/decode disaggregation (docs/pd.md). Active only when prefill-role endpoints exist:
     split when the chosen decode replica lacks at least `threshold_tokens` of the prompt."""
 
-    enabled: bool = True
+    enabled: bool = True                  # false: no split, and prefill-role replicas serve like `both`
     threshold_tokens: int = 256           # uncached prompt tokens on the decode replica that justify a remote prefill
 
 

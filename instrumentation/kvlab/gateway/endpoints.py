@@ -22,6 +22,7 @@ class Replica:
     block_size: int | None = None       # from vllm:cache_config_info or KV events
     num_gpu_blocks: int | None = None
     inflight: int = 0                   # requests the gateway has open to it right now
+    inflight_tokens: int = 0            # their prefill work: prompt minus predicted cached prefix
     healthy: bool = True
     failures: int = 0                   # consecutive
     ejected_at: float | None = None
@@ -65,8 +66,10 @@ class Registry:
                 added.append(self.replicas[n])
         return added, removed
 
-    def candidates(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.healthy and r.endpoint.role != "prefill"]
+    def candidates(self, include_prefill: bool = False) -> list[Replica]:
+        """Healthy replicas a request can be served by; prefill-role ones only when P/D is off."""
+        return [r for r in self.replicas.values()
+                if r.healthy and (include_prefill or r.endpoint.role != "prefill")]
 
     def success(self, r: Replica) -> None:
         r.failures = 0

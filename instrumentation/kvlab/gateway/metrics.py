@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from kvlab.telemetry import names
@@ -56,4 +56,11 @@ class GatewayMetrics:
         self.kv_events = Counter(names.KVLAB_KV_EVENTS, "KV-event batches ingested", ["replica"], registry=r)
         self.kv_event_gaps = Counter(names.KVLAB_KV_EVENT_GAPS, "KV-event stream gaps and restarts",
                                      ["replica", "kind"], registry=r)
+        self.pd_decisions = Counter(names.KVLAB_PD_DECISIONS, "P/D decisions: split, unified, fallback (to unified)",
+                                    ["decision", "reason"], registry=r)
+        self.kv_transfer = Histogram(names.KVLAB_KV_TRANSFER_SECONDS, "KV pulled by decode replicas (their report)",
+                                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                     registry=r)
+        self.desired_replicas = Gauge(names.KVLAB_DESIRED_REPLICAS, "replicas the load needs (docs/autoscaling.md)",
+                                      registry=r)
         r.register(_StateCollector(snapshot))

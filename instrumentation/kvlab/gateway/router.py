@@ -45,21 +45,29 @@ class Router:
 
     def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> Routed:
         t0 = time.perf_counter()
-        replicas = [r for r in self.registry.candidates() if r.name not in exclude]
+        replicas = [r for r in self.registry.candidates(include_prefill=not self.cfg.pd.enabled)
+                    if r.name not in exclude]
         if not replicas:
             raise NoEndpointAvailable("no healthy replica to route to")
         sizes = {r.name: self.block_size(r) for r in replicas}
         keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
         t1 = time.perf_counter()
+        prefix, index_of = self.prefix_of(replicas, keys_by_size, sizes)
+        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix)
+        self.learn(decision.chosen.replica, keys_by_size, sizes)
+        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
+
+    def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]],
+                  sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        """Cached prefix tokens per replica, each looked up in the index it can be trusted in;
+        and which index that was. `keys_by_size` must hold every replica's block size."""
+        sizes = sizes or {r.name: self.block_size(r) for r in replicas}
         precise_sizes = {r.name: sizes[r.name] for r in replicas if self.uses_precise(r)}
         approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
         prefix = self.precise.match(keys_by_size, precise_sizes) if precise_sizes else {}
         if approx_sizes:
             prefix.update(self.approx.match(keys_by_size, approx_sizes))
-        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix)
-        self.learn(decision.chosen.replica, keys_by_size, sizes)
-        index_of = {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
-        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
+        return prefix, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
     def learn(self, r: Replica, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
         bs = sizes[r.name] if sizes and r.name in sizes else self.block_size(r)

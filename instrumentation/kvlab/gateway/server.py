@@ -25,12 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvlab.errors import NoEndpointAvailable, RequestError, UpstreamError
+from kvlab.gateway import dp as dp_view
+from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, Endpoint
 from kvlab.gateway.endpoints import Registry, Replica
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.gateway.loadview import LoadView
 from kvlab.gateway.metrics import GatewayMetrics
+from kvlab.gateway.pd import Disaggregation
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import PromptTokenizer
@@ -121,6 +124,8 @@ class Gateway:
         self._timeout_stream = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.stream_idle_s)
         self._timeout_unary = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.first_byte_s)
         self.ready = asyncio.Event()
+        self.autoscaler = Recommender(cfg.autoscale)
+        self.pd = Disaggregation(self)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -132,6 +137,7 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/debug/endpoints", self.debug_endpoints)
+        app.router.add_get("/debug/autoscale", self.debug_autoscale)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -142,6 +148,7 @@ class Gateway:
         loadview = LoadView(self.registry, self.session, self.scrape_interval_s, self.cfg.timeouts.scrape_s)
         self._tasks.append(asyncio.create_task(self._discover()))
         self._tasks.append(asyncio.create_task(loadview.run()))
+        self._tasks.append(asyncio.create_task(self._autoscale()))
 
     async def _cleanup(self, app: web.Application) -> None:
         for t in [*self._tasks, *self._feeds.values()]:
@@ -149,6 +156,24 @@ class Gateway:
         await asyncio.gather(*self._tasks, *self._feeds.values(), return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    async def _autoscale(self) -> None:
+        """Re-evaluate the desired-replica recommendation every scrape interval (autoscale.py)."""
+        while True:
+            await asyncio.sleep(self.scrape_interval_s)
+            try:
+                prev = self.autoscaler.last
+                rec = self.autoscaler.observe(self.registry.candidates())
+                self.metrics.desired_replicas.set(rec.desired)
+                if prev is None or prev.desired != rec.desired:
+                    record_change(self.tracer, prev, rec)
+            except Exception:  # the signal never takes the gateway down
+                log.exception("autoscale evaluation failed")
+
+    async def debug_autoscale(self, request: web.Request) -> web.Response:
+        rec = self.autoscaler.last
+        return web.json_response({"settings": msgspec.to_builtins(self.cfg.autoscale),
+                                  "recommendation": None if rec is None else msgspec.to_builtins(rec)})
 
     async def _discover(self) -> None:
         try:
@@ -349,8 +374,10 @@ class Gateway:
                 client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
                 if not client_usage:
                     payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
+            call = await self.pd.run(path, payload, tokens, routed, span, headers)
             body = msgspec.json.encode(payload)
-            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start)
+            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call)
 
     def _schedule(self, tokens: list[int]) -> Routed:
         with self.tracer.start_as_current_span(names.SPAN_SCHEDULE) as s:
@@ -362,6 +389,7 @@ class Gateway:
                 s.set_attribute(names.POLICY, self.policy)
                 s.set_attribute(names.SCHEDULE_CHOSEN, d.chosen.name)
                 s.set_attribute(names.SCHEDULE_REASON, d.reason)
+                dp_view.annotate(s, d)
                 s.set_attribute(names.SCHEDULE_SHADOW, d.shadow)
                 s.set_attribute(names.SCHEDULE_SHADOW_CHOICE, d.best.name)
                 s.set_attribute(names.SCHEDULE_WEIGHTS, json.dumps(self.router.scheduler.weights))
@@ -370,6 +398,7 @@ class Gateway:
                      "scores": {k: round(v, 4) for k, v in c.scores.items()}, "total": round(c.total, 4),
                      "waiting": c.replica.waiting, "running": c.replica.running,
                      "kv_usage": round(c.replica.kv_usage, 4), "inflight": c.replica.inflight,
+                     "inflight_tokens": c.replica.inflight_tokens,
                      "filtered": c.name in d.filtered}
                     for c in d.candidates]))
                 s.set_attribute(names.SCHEDULE_INDEX, json.dumps(routed.index_of))
@@ -381,7 +410,7 @@ class Gateway:
 
     async def _forward(self, request: web.Request, span: trace.Span, routed: Routed, body: bytes,
                        stream: bool, client_usage: bool, headers: dict[str, str],
-                       t_start: float) -> web.StreamResponse:
+                       t_start: float, call: str = names.SPAN_UPSTREAM) -> web.StreamResponse:
         assert self.session is not None
         d = routed.decision
         tries = d.ranked[: 1 + self.cfg.limits.max_retries]
@@ -396,7 +425,7 @@ class Gateway:
             span.set_attribute(names.REPLICA, r.name)
             span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
             span.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
-            with self.tracer.start_as_current_span(names.SPAN_UPSTREAM, kind=SpanKind.CLIENT) as up:
+            with self.tracer.start_as_current_span(call, kind=SpanKind.CLIENT) as up:
                 up.set_attribute(names.REPLICA, r.name)
                 up.set_attribute(names.ENDPOINT, r.url)
                 up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
@@ -405,6 +434,8 @@ class Gateway:
                 path = "/v1/chat/completions" if request.path.endswith("chat/completions") else "/v1/completions"
                 r.inflight += 1
                 r.routed += 1
+                work = max(0, int(headers[names.HEADER_PROMPT_TOKENS]) - cand.prefix_tokens)
+                r.inflight_tokens += work
                 try:
                     try:
                         resp = await self.session.post(r.url + path, data=body, headers=out_headers,
@@ -424,6 +455,7 @@ class Gateway:
                         break   # the replica may be working on it: do not send it twice
                     self.registry.success(r)
                     up.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
+                    self.pd.observe_transfer(up, resp.headers)
                     replica_header = resp.headers.get(names.HEADER_REPLICA)
                     if replica_header:
                         headers[names.HEADER_REPLICA] = replica_header
@@ -435,6 +467,7 @@ class Gateway:
                         resp.release()
                 finally:
                     r.inflight -= 1
+                    r.inflight_tokens -= work
         span.set_status(Status(StatusCode.ERROR, last_error))
         span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
         self.metrics.requests.labels(d.chosen.name, self.policy, "502").inc()

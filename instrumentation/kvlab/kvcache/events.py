@@ -82,9 +82,14 @@ class _PosBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _MixedBatch(KVEventBatch, array_like=True, gc=False):
+    """What vLLM 0.32 sends (checked against its `EventBatch`): array batch, map events."""
+
+
 _encoder = msgspec.msgpack.Encoder()
 _map_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _pos_decoder = msgspec.msgpack.Decoder(_PosBatch)
+_mixed_decoder = msgspec.msgpack.Decoder(_MixedBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -126,5 +131,9 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     first = payload[0]
     # msgpack arrays: fixarray 0x90-0x9f, array16 0xdc, array32 0xdd
     if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
-        return _from_positional(_pos_decoder.decode(payload))
+        try:  # vLLM 0.32: the batch an array, each event a map tagged by "type"
+            mb = _mixed_decoder.decode(payload)
+            return KVEventBatch(mb.ts, mb.events, mb.data_parallel_rank)
+        except msgspec.ValidationError:
+            return _from_positional(_pos_decoder.decode(payload))
     return _map_decoder.decode(payload)

@@ -2,7 +2,9 @@
 
 TTFT is the time to the first streamed chunk whose text is non-empty (kvlab's tokenizer decodes
 every id to visible text, so this is well defined even for random-weight models); ITL is the mean
-gap between successive non-empty chunks; TPOT is (e2e - TTFT) / (output tokens - 1). Prompt,
+gap between successive non-empty chunks, and the gaps themselves are kept (the worst one is a
+decode stall a mean hides, e.g. a long prefill sharing the engine step); TPOT is
+(e2e - TTFT) / (output tokens - 1). Prompt,
 output and cached token counts come from the final usage chunk; the routing decision from the
 gateway's `x-kvlab-*` headers. Plain `requests`, so it runs under Locust's gevent and in tests.
 """
@@ -33,6 +35,8 @@ class Record(msgspec.Struct, kw_only=True):
     status: int = 0                # HTTP status (0: no response)
     ttft_ms: float | None = None
     itl_ms: float | None = None    # mean inter-token latency
+    itl_max_ms: float | None = None      # the worst gap between two tokens (a decode stall)
+    itl_gaps_ms: list[float] | None = None   # every gap between two tokens, 0.1 ms resolution
     tpot_ms: float | None = None
     e2e_ms: float = 0.0
     prompt_tokens: int | None = None
@@ -41,6 +45,7 @@ class Record(msgspec.Struct, kw_only=True):
     available_tokens: int | None = None   # gateway header x-kvlab-prefix-available
     predicted_tokens: int | None = None   # gateway header x-kvlab-prefix-predicted
     replica: str | None = None
+    pd: str | None = None                 # gateway header x-kvlab-pd-decision: split | unified | fallback
     trace_id: str | None = None
     error: str | None = None
 
@@ -84,6 +89,7 @@ def stream_chat(session: requests.Session, url: str, body: dict[str, Any], heade
             record.prompt_tokens = _int_header(h, names.HEADER_PROMPT_TOKENS)
             record.available_tokens = _int_header(h, names.HEADER_PREFIX_AVAILABLE)
             record.predicted_tokens = _int_header(h, names.HEADER_PREFIX_PREDICTED)
+            record.pd = h.get(names.HEADER_PD_DECISION)
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return record
@@ -120,6 +126,8 @@ def stream_chat(session: requests.Session, url: str, body: dict[str, Any], heade
         record.ttft_ms = (token_times[0] - start) * 1000
         if len(token_times) > 1:
             record.itl_ms = (token_times[-1] - token_times[0]) * 1000 / (len(token_times) - 1)
+            record.itl_gaps_ms = [round((b - a) * 1000, 1) for a, b in zip(token_times, token_times[1:])]
+            record.itl_max_ms = max((b - a) * 1000 for a, b in zip(token_times, token_times[1:]))
         if record.output_tokens > 1:
             record.tpot_ms = (end - token_times[0]) * 1000 / (record.output_tokens - 1)
     if record.error is None and not done:

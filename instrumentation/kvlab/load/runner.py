@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import StackError
+from kvlab.load.ramp import Ramp
 from kvlab.load.summary import summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
+RAMP_SHAPE = Path(__file__).with_name("ramp_shape.py")
 
 Progress = Callable[[float, list[dict[str, Any]]], None]
 
@@ -46,9 +48,12 @@ class JsonlTail:
 
 def locust_argv(target: str, out_dir: Path, workload: str, params: dict[str, Any] | None, users: int,
                 spawn_rate: float, duration_s: float, seed: int, model: str, phase: str = "",
-                policy: str = "") -> list[str]:
-    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
-            "-u", str(users), "-r", str(spawn_rate), "-t", f"{max(1, round(duration_s))}s",
+                policy: str = "", ramp: Ramp | None = None) -> list[str]:
+    """With `ramp`, the ramp shape decides the users over time (and when the test ends)."""
+    files = str(LOCUSTFILE) if ramp is None else f"{LOCUSTFILE},{RAMP_SHAPE}"
+    load = ["-u", str(users), "-r", str(spawn_rate), "-t", f"{max(1, round(duration_s))}s"] if ramp is None \
+        else ["--ramp", ramp.to_json()]
+    return [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", target, *load,
             "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
             "--loglevel", "WARNING", "--exit-code-on-error", "0",
             "--workload", workload, "--workload-params", json.dumps(params or {}), "--seed", str(seed),
@@ -60,8 +65,11 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
               params: dict[str, Any] | None = None, users: int = 16, spawn_rate: float | None = None,
               duration_s: float = 30.0, seed: int = 0, model: str = "kvlab-tiny", phase: str = "",
               policy: str = "", otlp_endpoint: str | None = None,
-              progress: Progress | None = None) -> dict[str, Any]:
-    """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.log."""
+              progress: Progress | None = None, ramp: Ramp | None = None) -> dict[str, Any]:
+    """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.log.
+    With `ramp`, users follow it (`users`/`duration_s` are then taken from it)."""
+    if ramp is not None:
+        users, duration_s = ramp.peak, ramp.duration_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "requests.jsonl"
@@ -70,7 +78,7 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
     if otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     argv = locust_argv(target, out, workload, params, users, spawn_rate or users, duration_s, seed, model,
-                       phase, policy)
+                       phase, policy, ramp)
     tail = JsonlTail(jsonl)
     start = time.monotonic()
     with open(out / "locust.log", "wb") as log:

@@ -43,6 +43,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     Rates use the measured window (first request sent to last one finished); hit rates are token
     fractions over successful requests: sum(available|predicted|delivered) / sum(prompt tokens),
     computed over the requests that report that number (None when none do, e.g. no gateway).
+    Inter-token latency three ways: `itl_ms` over each request's mean gap, `itl_max_ms` over each
+    request's worst gap (decode stalls), `token_itl_ms` over every gap of every request (vLLM's
+    benchmark definition of ITL percentiles).
     """
     ok = [r for r in records if not r.get("error")]
     errors = [r for r in records if r.get("error")]
@@ -67,7 +70,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "rps": round(len(ok) / window, 3) if window else 0.0,
         "output_tok_s": round(out_tokens / window, 3) if window else 0.0,
         "ttft_ms": _pcts([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None], (50, 95, 99)),
-        "itl_ms": _pcts([r["itl_ms"] for r in ok if r.get("itl_ms") is not None], (50, 95)),
+        "itl_ms": _pcts([r["itl_ms"] for r in ok if r.get("itl_ms") is not None], (50, 95, 99)),
+        "itl_max_ms": _pcts([r["itl_max_ms"] for r in ok if r.get("itl_max_ms") is not None], (50, 95, 99)),
+        "token_itl_ms": _pcts([g for r in ok for g in r.get("itl_gaps_ms") or ()], (50, 95, 99)),
         "tpot_ms": _pcts([r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None], (50, 95)),
         "e2e_ms": _pcts([r["e2e_ms"] for r in ok], (50, 95, 99)),
         "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),

@@ -14,6 +14,8 @@ ROWS: list[tuple[str, tuple[str, ...], str, str | None]] = [
     ("TTFT p95 (ms)", ("ttft_ms", "p95"), "{:.0f}", "low"),
     ("TTFT p99 (ms)", ("ttft_ms", "p99"), "{:.0f}", "low"),
     ("ITL p50 (ms)", ("itl_ms", "p50"), "{:.1f}", "low"),
+    ("ITL p99, every gap (ms)", ("token_itl_ms", "p99"), "{:.0f}", "low"),
+    ("worst gap p95 (ms)", ("itl_max_ms", "p95"), "{:.0f}", "low"),
     ("E2E p50 (ms)", ("e2e_ms", "p50"), "{:.0f}", "low"),
     ("throughput (req/s)", ("rps",), "{:.2f}", "high"),
     ("output tokens/s", ("output_tok_s",), "{:.0f}", "high"),

@@ -12,6 +12,8 @@ from plotly.offline import get_plotlyjs
 
 from kvlab.load.table import ROWS, metric_value
 from kvlab.report import figures
+from kvlab.report.autoscale import section as autoscale_section
+from kvlab.report.pd import section as pd_section
 
 
 PLOT_CONFIG = {"displaylogo": False}
@@ -88,6 +90,8 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 <div class="meta">{meta_line}</div>
 <div class="headline">{html.escape(headline(summaries))}</div>
 {_table(summaries)}
+{pd_section(records, PLOT_CONFIG)}
+{autoscale_section(phases, PLOT_CONFIG)}
 <div class="grid">{''.join(f'<div>{d}</div>' for d in divs)}</div>
 <div>{wide}</div>
 {NOTES}

@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
+import yaml
 
 from kvlab.errors import StackError
 from kvlab.stack.process import Child
@@ -83,6 +85,9 @@ class LocalStack:
         self.otlp_endpoint: str | None = None
         self.traces_dir: Path | None = None
         self.prometheus: str | None = None
+        self.scaler: Any = None           # kvlab.stack.scaler.Scaler when the topology autoscales
+        self._span_export: Any = None     # this process's span processor (the scaler's spans)
+        self._state_lock = threading.Lock()   # the scaler's thread writes stack.json too
         self.extra: dict[str, Any] = {}
 
     @property
@@ -99,6 +104,8 @@ class LocalStack:
             self.start_engines()
             self.start_gateway(policy or self.topology.gateway.policy)
             self.start_prometheus()
+            if self.topology.gateway.autoscale is not None:
+                self.start_scaler()
         except BaseException:
             self.stop()
             raise
@@ -106,6 +113,7 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop every process this stack started, newest first, and wait for each."""
+        self.stop_scaler()
         for child in reversed(self.children):
             child.stop()
         self.children.clear()
@@ -188,7 +196,9 @@ class LocalStack:
                 "--endpoints-file", str(self.run_dir / "endpoints.json"), "--policy", policy,
                 "--model", self.topology.model, "--scrape-interval-ms", str(g.scrape_interval_ms),
                 "--ready-file", str(ready)]
-        if g.config:
+        if g.autoscale is not None:   # watch the endpoints file the scaler rewrites
+            argv += ["--discovery", "file", "--config", str(self._autoscale_policy())]
+        elif g.config:
             argv += ["--config", g.config]
         if self.topology.tokenizer:
             argv += ["--tokenizer", self.topology.tokenizer]
@@ -228,6 +238,69 @@ class LocalStack:
             self.prometheus = f"http://{HOST}:{port}"
         self.write_state()
 
+    # ---- autoscaling (docs/autoscaling.md) --------------------------------------------------------
+    def _autoscale_policy(self) -> Path:
+        """The gateway's policy file: `gateway.config` (if any) with the topology's `autoscale:`."""
+        g = self.topology.gateway
+        data: dict[str, Any] = {}
+        if g.config:
+            data = yaml.safe_load(Path(g.config).read_text()) or {}
+        data["autoscale"] = msgspec.to_builtins(g.autoscale)
+        path = self.run_dir / "gateway-policy.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def scale_pool(self) -> Pool:
+        """The pool the scaler grows: the first one serving whole requests."""
+        for pool in self.topology.pools:
+            if pool.role == "both":
+                return pool
+        raise StackError("autoscaling needs a pool with role `both`")
+
+    def start_scaler(self, interval_s: float = 1.0, drain_s: float = 2.0) -> None:
+        """Act on the gateway's recommendation: one-replica engine processes of `scale_pool()`
+        added/removed through the endpoints file; its `stack.scale` spans go to the run's traces."""
+        from kvlab.stack.scaler import Scaler
+
+        self._export_spans()
+        one = msgspec.structs.replace(self.scale_pool(), replicas=1)
+        self.scaler = Scaler(
+            self.gateway_url, self.run_dir / "endpoints.json",
+            lambda name, ready: engine_argv(self.topology, one, name, ready, self.logs),
+            self.run_dir, prefix=f"{one.name}-scaled", env=self._env(f"kvlab-{self.topology.engine}"),
+            interval_s=interval_s, drain_s=drain_s, ready_timeout_s=self.ready_timeout_s,
+            on_change=self._scaled).start()
+
+    def stop_scaler(self) -> None:
+        if self.scaler is not None:
+            self.scaler.stop()
+            self.scaler = None
+        if self._span_export is not None:   # flush the scaler's spans
+            self._span_export.shutdown()
+            self._span_export = None
+
+    def _scaled(self, endpoints: list[Any]) -> None:
+        """After the scaler rewrote the endpoints file: replicas, Prometheus targets, stack.json."""
+        self.replicas = [msgspec.to_builtins(e) for e in endpoints]
+        if self.prometheus:
+            from kvlab.stack.prometheus import write_targets
+
+            write_targets(self.run_dir, "replicas", [_hostport(r["url"]) for r in self.replicas])
+        self.write_state()
+
+    def _export_spans(self) -> None:
+        """Spans made in this process (the scaler's) go to the run's OTLP endpoint."""
+        if not self.otlp_endpoint:
+            return
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from kvlab.telemetry.setup import configure_tracing
+
+        self._span_export = BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{self.otlp_endpoint}/v1/traces"),
+                                               schedule_delay_millis=1000)
+        configure_tracing("kvlab-stack", extra=self._span_export)
+
     # ---- operations ----------------------------------------------------------------------------------
     def reset_caches(self) -> None:
         """POST /reset_prefix_cache on every replica (each then publishes AllBlocksCleared)."""
@@ -254,9 +327,11 @@ class LocalStack:
             "traces_dir": str(self.traces_dir) if self.traces_dir else None,
             "prometheus": self.prometheus,
             **self.extra,
-            "processes": [c.describe() for c in self.children],
+            "processes": [c.describe() for c in self.children]
+                         + [s.child.describe() for s in (self.scaler.added if self.scaler else [])],
         }
 
     def write_state(self, status: str = "running") -> None:
         if self.run_dir.exists():
-            write_json(self.run_dir / "stack.json", self.describe(status))
+            with self._state_lock:
+                write_json(self.run_dir / "stack.json", self.describe(status))

@@ -5,6 +5,10 @@ minute or two still has dense series), keeps its TSDB under `run_dir/prometheus/
 loopback only and returns once `/-/ready` answers. Exemplar storage is on, so latency histograms
 that carry trace-id exemplars link to traces in Grafana. No binary → None (the lab still runs;
 dashboards then need a Prometheus of the user's own).
+
+Targets are file-based service discovery (`file_sd_configs`): one JSON file per job under
+`run_dir/prometheus/targets/`, which `write_targets` rewrites atomically when the stack adds or
+removes a replica (the autoscaling scenario); Prometheus notices the change without a reload.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import yaml
 
 STARTUP_TIMEOUT_S = 30.0
+SD_REFRESH = "1s"    # file_sd re-reads at least this often (besides inotify)
 
 
 def _duration(seconds: float) -> str:
@@ -27,15 +32,31 @@ def _duration(seconds: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def scrape_config(targets: dict[str, list[str]], scrape_interval_s: float = 1.0) -> dict:
-    """The prometheus.yml content: one job per entry of `targets` (job -> ["host:port", ...])."""
+def targets_file(run_dir: Path, job: str) -> Path:
+    """The file_sd targets file of `job` under the run dir."""
+    return Path(run_dir).absolute() / "prometheus" / "targets" / f"{job}.json"
+
+
+def write_targets(run_dir: Path, job: str, addrs: list[str]) -> Path:
+    """(Re)write `job`'s targets (["host:port", ...]) atomically; Prometheus follows without a reload."""
+    path = targets_file(run_dir, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps([{"targets": list(addrs), "labels": {}}]) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0) -> dict:
+    """The prometheus.yml content: one job per name, its targets read from its file_sd file."""
     interval = _duration(scrape_interval_s)
     timeout = _duration(min(scrape_interval_s, 10.0) * 0.9)
     return {
         "global": {"scrape_interval": interval, "scrape_timeout": timeout, "evaluation_interval": interval},
         "scrape_configs": [
-            {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": list(addrs)}]}
-            for job, addrs in targets.items()
+            {"job_name": job, "metrics_path": "/metrics",
+             "file_sd_configs": [{"files": [str(targets_file(run_dir, job))], "refresh_interval": SD_REFRESH}]}
+            for job in jobs
         ],
     }
 
@@ -43,6 +64,9 @@ def scrape_config(targets: dict[str, list[str]], scrape_interval_s: float = 1.0)
 def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
                      scrape_interval_s: float = 1.0) -> subprocess.Popen | None:
     """Start Prometheus on 127.0.0.1:`port` scraping `targets`; None when the binary is absent.
+
+    `targets` are the initial ones (job -> ["host:port", ...]); change a job's later with
+    `write_targets(run_dir, job, addrs)`.
 
     The caller owns the process: stop it with `terminate()` then `wait()`. Its log is
     `run_dir/prometheus/prometheus.log`. RuntimeError if it exits or is not ready in time.
@@ -52,8 +76,10 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
         return None
     home = Path(run_dir) / "prometheus"
     (home / "data").mkdir(parents=True, exist_ok=True)
+    for job, addrs in targets.items():
+        write_targets(run_dir, job, addrs)
     config = home / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config(targets, scrape_interval_s), sort_keys=False))
+    config.write_text(yaml.safe_dump(scrape_config(list(targets), run_dir, scrape_interval_s), sort_keys=False))
     argv = [
         binary,
         f"--config.file={config}",

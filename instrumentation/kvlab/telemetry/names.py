@@ -20,6 +20,7 @@ SPAN_ENGINE_KV_TRANSFER = "engine.kv_transfer"
 SPAN_ENGINE_MOE_DISPATCH = "engine.moe_dispatch"
 SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root span
 SPAN_SCALE_ACTION = "stack.scale"
+SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
 
 # ---- GenAI semantic conventions ---------------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"          # "chat" | "text_completion"
@@ -108,10 +109,6 @@ WORKLOAD = "kvlab.workload"
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
 HEADER_ROUTED_TO = "x-kvlab-routed-to"    # set by the gateway: the replica it chose
-HEADER_POLICY = "x-kvlab-policy"                      # set by the gateway: the routing policy
-HEADER_PROMPT_TOKENS = "x-kvlab-prompt-tokens"        # set by the gateway: prompt tokens it counted
-HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # set by the gateway: best cached prefix, any replica
-HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # set by the gateway: cached prefix on the chosen one
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_KV_TRANSFER_TOKENS = "x-kvlab-kv-transfer-tokens"  # set by a decode replica: tokens of KV pulled
 HEADER_KV_TRANSFER_MS = "x-kvlab-kv-transfer-ms"          # set by a decode replica: time of the pull

@@ -53,6 +53,10 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
     `OTEL_SERVICE_NAME` overrides `service_name`.
     """
     global _configured
+    if _configured is None and isinstance(trace.get_tracer_provider(), TracerProvider):
+        # OTel allows one global provider per process: after a shutdown_tracing() in the same
+        # process (tests run servers in-process), keep using it rather than failing to replace it
+        _configured = trace.get_tracer_provider()  # type: ignore[assignment]
     if _configured is not None:
         if extra is not None:
             _configured.add_span_processor(extra)

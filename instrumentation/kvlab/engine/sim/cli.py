@@ -41,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
     p.add_argument("--name", default="sim", help="replicas are named NAME-0..NAME-(N-1); a single replica is named NAME")
     p.add_argument("--model", default="kvlab-tiny", help="served model name")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="P/D role announced in the ready JSON (every replica speaks kv_transfer_params)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="data-parallel ranks per replica, one port each, named NAME-dpR (docs/wide-ep.md)")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: kvlab's own)")
     p.add_argument("--profile", default="cpu-tiny", help="latency profile name")
     p.add_argument("--profiles-file", help="profiles YAML (default: the shipped profiles.yaml)")
@@ -82,14 +86,34 @@ def build_replicas(args: argparse.Namespace):
                           f"({cfg.num_blocks} blocks x {cfg.block_size} tokens): raise --num-blocks")
     tokenizer = Tokenizer(args.tokenizer)
     sampler = Sampler(tokenizer, args.seed)
-    http_ports = _ports(args.ports, args.replicas, "--ports")
-    kv_ports = _ports(args.kv_events_ports, args.replicas, "--kv-events-ports")
+    dp = args.data_parallel_size
+    if dp < 1:
+        raise ConfigError("--data-parallel-size must be at least 1")
+    http_ports = _ports(args.ports, args.replicas * dp, "--ports")
+    kv_ports = _ports(args.kv_events_ports, args.replicas * dp, "--kv-events-ports")
     replicas = []
     for i in range(args.replicas):
-        kv = None if args.no_kv_events else f"tcp://{args.host}:{kv_ports[i] or '*'}"
-        replicas.append(Replica(args.name if args.replicas == 1 else f"{args.name}-{i}", args.model, cfg, tokenizer, sampler, kv,
-                                hash_seed=args.seed * 1009 + i + 1))
+        base = args.name if args.replicas == 1 else f"{args.name}-{i}"
+        group = lockstep_group(cfg, tokenizer, dp)
+        for r in range(dp):
+            j = i * dp + r   # ports and hash seeds are per rank
+            kv = None if args.no_kv_events else f"tcp://{args.host}:{kv_ports[j] or '*'}"
+            replicas.append(Replica(base if dp == 1 else f"{base}-dp{r}", args.model, cfg, tokenizer, sampler, kv,
+                                    hash_seed=args.seed * 1009 + j + 1, role=args.role,
+                                    dp_rank=None if dp == 1 else r, replica=None if dp == 1 else base,
+                                    group=group))
     return replicas, http_ports
+
+
+def lockstep_group(cfg, tokenizer, dp: int):
+    """The shared clock of one replica's ranks (dp.py), or None for a dense single-rank replica."""
+    if dp == 1 and cfg.profile.moe is None:
+        return None
+    from kvlab.engine.sim.dp import LockstepGroup
+    from kvlab.engine.sim.moe import MoeModel
+
+    moe = MoeModel(cfg.profile.moe, tokenizer.vocab_size) if cfg.profile.moe is not None else None
+    return LockstepGroup(cfg.profile, cfg.time_scale, moe)
 
 
 def _write_ready(path: str, data: bytes) -> None:

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvlab.config import Strict, load_yaml
+from kvlab.engine.sim.moe import MoeSpec
 from kvlab.errors import ConfigError
 
 
@@ -25,13 +26,14 @@ class LatencyProfile(Strict):
     prefill_ms_per_token: float      # per prompt token actually computed (cache hits skip it)
     decode_ms_base: float            # a step with decoding sequences: weight reads, sampling
     decode_ms_per_seq: float         # each decoding sequence in the batch (its KV reads)
-    kv_transfer_ms_fixed: float = 0.0      # reserved for prefill/decode disaggregation
-    kv_transfer_ms_per_token: float = 0.0  # reserved for prefill/decode disaggregation
+    kv_transfer_ms_fixed: float = 0.0      # P/D: a decode replica's KV pull (handshake, notification)
+    kv_transfer_ms_per_token: float = 0.0  # P/D: per token pulled (KV bytes per token / link bandwidth)
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    moe: MoeSpec | None = None       # mixture-of-experts layers (moe.py); None: a dense model
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int) -> float:
         """Modelled duration of one engine step, in milliseconds (unscaled)."""
@@ -39,6 +41,11 @@ class LatencyProfile(Strict):
         if decode_seqs:
             ms += self.decode_ms_base + decode_seqs * self.decode_ms_per_seq
         return ms
+
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Modelled duration of pulling `tokens` tokens of KV from a prefill replica (unscaled)."""
+        return self.kv_transfer_ms_fixed + tokens * self.kv_transfer_ms_per_token
 
 
 class ProfileFile(Strict):

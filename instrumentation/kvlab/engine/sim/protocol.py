@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvlab.engine.sim.transfer import KVTransferParams
 from kvlab.errors import RequestError
 
 T = TypeVar("T")
@@ -32,6 +33,7 @@ class _Generation(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
+    kv_transfer_params: KVTransferParams | None = None   # P/D (engine/sim/transfer.py)
 
 
 class CompletionRequest(_Generation, kw_only=True):

@@ -14,6 +14,7 @@ from kvlab.engine.sim.metrics import ReplicaMetrics
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import Scheduler
+from kvlab.engine.sim.transfer import KVTransfer
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.kvcache.transport import EventPublisher
 from kvlab.tokenizer import Tokenizer
@@ -34,19 +35,29 @@ class EngineConfig:
 
 class Replica:
     def __init__(self, name: str, model: str, cfg: EngineConfig, tokenizer: Tokenizer, sampler: Sampler,
-                 kv_events: str | None = None, hash_seed: int = 1) -> None:
+                 kv_events: str | None = None, hash_seed: int = 1, role: str = "both",
+                 dp_rank: int | None = None, replica: str | None = None, group=None) -> None:
         self.name = name
+        self.role = role                  # both | prefill | decode: a label for the gateway (transfer.py)
+        self.dp_rank = dp_rank            # data-parallel rank (dp.py); None: not data parallel
+        self.replica_name = replica       # the replica this rank belongs to
+        self.group = group                # dp.LockstepGroup stepping this rank, or None
         self.model = model
         self.cfg = cfg
         self.max_model_len = cfg.max_model_len
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.started = time.time()
-        self.publisher = EventPublisher(kv_events, bind=True) if kv_events else None
+        self.publisher = EventPublisher(kv_events, bind=True, data_parallel_rank=dp_rank) if kv_events else None
         pool = BlockPool(cfg.num_blocks, cfg.block_size, events=self.publisher is not None)
         scheduler = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, hash_seed=hash_seed)
-        self.metrics = ReplicaMetrics(model, cfg.block_size, cfg.num_blocks)
-        self.engine = Engine(scheduler, cfg.profile, cfg.time_scale, sampler, self.metrics, self.publisher)
+        self.metrics = ReplicaMetrics(model, cfg.block_size, cfg.num_blocks, engine=str(dp_rank or 0))
+        if group is None:
+            self.engine = Engine(scheduler, cfg.profile, cfg.time_scale, sampler, self.metrics, self.publisher)
+        else:
+            self.engine = group.member(dp_rank, scheduler, cfg.profile, cfg.time_scale, sampler, self.metrics,
+                                       self.publisher)
+        self.transfer = KVTransfer(self)
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
 
@@ -76,4 +87,5 @@ class Replica:
 
     def endpoint(self) -> Endpoint:
         assert self.url is not None, "replica not started"
-        return Endpoint(name=self.name, url=self.url, kv_events=self.kv_events)
+        return Endpoint(name=self.name, url=self.url, kv_events=self.kv_events, role=self.role,
+                        dp_rank=self.dp_rank, replica=self.replica_name)

@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvlab.engine.sim.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        _Generation, decode, message_dicts)
 from kvlab.engine.sim.scheduler import FINISHED, Request
+from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
 from kvlab.telemetry import names
 
@@ -36,6 +37,7 @@ _encode = msgspec.json.encode
 _ids = itertools.count()
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_PULLED = web.RequestKey("kvlab.pulled", Pulled)   # the P/D KV pull of a decode request
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -85,6 +87,10 @@ class Api:
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[names.HEADER_REPLICA] = self.name
+        pulled: Pulled | None = request.get(_PULLED)
+        if pulled is not None:
+            response.headers[names.HEADER_KV_TRANSFER_TOKENS] = str(pulled.tokens)
+            response.headers[names.HEADER_KV_TRANSFER_MS] = f"{pulled.ms:.3f}"
 
     # ---- small endpoints -------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -194,22 +200,28 @@ class Api:
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{next(_ids)}"
         req = Request(req_id, ids, self.sampler.draw(ids, n_max, body.seed), self.engine.scheduler.prompt_keys(ids),
                       stop=stop, min_tokens=body.min_tokens)
+        params = body.kv_transfer_params
+        if params is not None:
+            self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
         span = tracer.start_span(names.SPAN_ENGINE_REQUEST, context=ctx, kind=SpanKind.SERVER, start_time=t0)
-        self.engine.submit(req)
         status = 200
         try:
+            if params is not None and params.do_remote_prefill:
+                request[_PULLED] = await self.r.transfer.pull(req, params)
+            self.engine.submit(req)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await self._stream(request, req, chat, include_usage)
-            return await self._complete(req, chat)
+            handoff = params is not None and params.do_remote_decode
+            return await self._complete(req, chat, handoff)
         except (ConnectionError, asyncio.CancelledError):
             status = 499  # the client went away
             raise
         finally:
             if req.status != FINISHED:
                 self.engine.abort(req)
-            self._end_spans(span, req, body, chat, status)
+            self._end_spans(span, req, body, chat, status, request.get(_PULLED))
 
     def _usage(self, req: Request) -> dict:
         cached = req.num_cached or 0
@@ -225,7 +237,7 @@ class Api:
         text = self.sampler.detokenize(req.output[:req.num_output])
         return text[:req.text_len] if req.finish_reason == "stop" else text
 
-    async def _complete(self, req: Request, chat: bool) -> web.Response:
+    async def _complete(self, req: Request, chat: bool, handoff: bool = False) -> web.Response:
         while req.status != FINISHED:
             await self._wait(req)
         created = req.t_arrival // 1_000_000_000
@@ -239,8 +251,11 @@ class Api:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason,
                       "stop_reason": stop_reason, "prompt_logprobs": None}
             obj = "text_completion"
-        return _json({"id": req.id, "object": obj, "created": created, "model": self.model,
-                      "choices": [choice], "usage": self._usage(req)})
+        out = {"id": req.id, "object": obj, "created": created, "model": self.model,
+               "choices": [choice], "usage": self._usage(req)}
+        if handoff:   # a P/D prefill: tell the decode replica where to pull the KV from
+            out["kv_transfer_params"] = self.r.transfer.handoff(req)
+        return _json(out)
 
     async def _stream(self, request: web.Request, req: Request, chat: bool, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
@@ -291,7 +306,8 @@ class Api:
         return _encode(piece)[1:-1]
 
     # ---- tracing ---------------------------------------------------------------------
-    def _end_spans(self, span: trace.Span, req: Request, body: _Generation, chat: bool, status: int) -> None:
+    def _end_spans(self, span: trace.Span, req: Request, body: _Generation, chat: bool, status: int,
+                   pulled: Pulled | None = None) -> None:
         try:
             cached = req.num_cached or 0
             span.set_attributes({
@@ -312,8 +328,18 @@ class Api:
             if status != 200:
                 span.set_attribute(names.ERROR_TYPE, "client_disconnected")
                 span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+            params = body.kv_transfer_params
+            if params is not None and (params.do_remote_decode or params.do_remote_prefill):
+                span.set_attribute(names.PD_ROLE, "prefill" if params.do_remote_decode else "decode")
             parent = trace.set_span_in_context(span)
             end = req.t_finished or time.time_ns()
+            if pulled is not None:
+                self._child(names.SPAN_ENGINE_KV_TRANSFER, parent, pulled.t_start, pulled.t_end, {
+                    names.KV_TRANSFER_TOKENS: pulled.tokens, names.KV_TRANSFER_MS: pulled.ms,
+                    names.KV_TRANSFER_LOCAL_TOKENS: pulled.local_tokens,
+                    names.KV_TRANSFER_OFFERED_TOKENS: pulled.offered_tokens,
+                    names.PD_PREFILL_REPLICA: pulled.remote_engine_id or "",
+                    **({names.KV_TRANSFER_SKIPPED: pulled.skipped} if pulled.skipped else {})})
             if req.t_scheduled:
                 self._child(names.SPAN_ENGINE_QUEUE, parent, req.t_arrival, req.t_scheduled,
                             {names.ENGINE_QUEUE_MS: (req.t_scheduled - req.t_arrival) / 1e6})
@@ -326,6 +352,8 @@ class Api:
             if req.t_first_token:
                 self._child(names.SPAN_ENGINE_DECODE, parent, req.t_first_token, end,
                             {names.GEN_AI_USAGE_OUTPUT_TOKENS: req.num_output})
+            if self.r.group is not None:  # data-parallel rank / MoE (dp.py)
+                self.r.group.end_spans(span, parent, req, self.r.dp_rank, self._child)
             span.end(end_time=max(end, time.time_ns()))
         except Exception:  # telemetry never breaks a request
             log.exception("span export failed")

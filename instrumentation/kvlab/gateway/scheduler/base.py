@@ -91,7 +91,8 @@ class Scheduler:
         self.cfg = cfg
         self.picker = picker
         weights = {"prefix": cfg.weights.prefix, "queue": cfg.weights.queue,
-                   "kv_usage": cfg.weights.kv_usage, "inflight": cfg.weights.inflight}
+                   "kv_usage": cfg.weights.kv_usage, "inflight": cfg.weights.inflight,
+                   "inflight_tokens": cfg.weights.inflight_tokens}
         self.scorers = [(s, weights[s.name]) for s in scorers]
         self.weights = {s.name: w for s, w in self.scorers}
 

@@ -51,4 +51,7 @@ def make(name: str, rng: random.Random | None = None) -> Picker:
         return RoundRobin()
     if name == "random":
         return Random(rng)
+    if name == "rank-blind":
+        from kvlab.gateway.scheduler.rank_blind import RankBlind
+        return RankBlind(rng)
     return MaxScore(rng)

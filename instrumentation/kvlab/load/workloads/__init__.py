@@ -19,6 +19,7 @@ _MODULES = {
     "multi-turn": "kvlab.load.workloads.multi_turn",
     "long-doc-qa": "kvlab.load.workloads.long_doc_qa",
     "random": "kvlab.load.workloads.random",
+    "pd-mix": "kvlab.load.workloads.pd_mix",
 }
 NAMES = tuple(_MODULES)
 

@@ -50,6 +50,11 @@ KV_EVENTS_PORT = 5557
 NODE_PORTS = {"baseline": 30080, "gateway": 30081, "jaeger": 30686, "prometheus": 30090, "grafana": 30300}
 
 KVLAB_UID = 10001                   # the user of kind/images/Dockerfile
+# P/D on GPU: vLLM's NixlConnector (docs/pd.md). kv_both on every pool: NixlConnector ignores the
+# role, the gateway decides who prefills; the side channel is the NIXL handshake port (+ DP rank).
+NIXL_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":"))
+NIXL_SIDE_CHANNEL_PORT = 5600
+PD_ANNOTATION = "kvlab.io/pd"       # on the gateway pod: the resolved split rule of its policy
 REPO_ROOT = Path(__file__).resolve().parents[4]
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -234,6 +239,29 @@ def _replica_ports(dp: int) -> list[dict]:
     return ports
 
 
+def is_pd(topology: Topology) -> bool:
+    """A P/D topology: some pool is a prefill or decode pool (docs/pd.md)."""
+    return any(p.role != "both" for p in topology.pools)
+
+
+def _nixl(topology: Topology, pool: Pool) -> tuple[list[str], list[dict], list[dict]]:
+    """(args, env, ports) a vLLM pod needs to hand over or receive KV in a P/D topology: every pool
+    takes part (a `both` replica can be a split's decode side). The side channel is advertised on
+    the pod IP (vLLM's default, localhost, is unreachable from the other pods). A user's own
+    `--kv-transfer-config` in vllm.extra_args wins."""
+    if not is_pd(topology):
+        return [], [], []
+    extra = topology.vllm.extra_args
+    own = any(a == "--kv-transfer-config" or a.startswith(("--kv-transfer-config=", "--kv-transfer-config."))
+              for a in extra)
+    args = [] if own else ["--kv-transfer-config", NIXL_KV_TRANSFER_CONFIG]
+    env = [_field_env("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP"),
+           {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)}]
+    ports = [{"name": "nixl" if rank == 0 else f"nixl-{rank}", "containerPort": NIXL_SIDE_CHANNEL_PORT + rank,
+              "protocol": "TCP"} for rank in range(pool.data_parallel_size)]
+    return args, env, ports
+
+
 def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
     v = topology.vllm
     kv_events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
@@ -242,6 +270,8 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
             "--served-model-name", topology.model, "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--block-size", str(cluster.gpu_block_size), "--max-model-len", str(v.max_model_len),
             "--kv-events-config", kv_events, *v.extra_args]
+    nixl_args, nixl_env, nixl_ports = _nixl(topology, pool)
+    args += nixl_args
     if pool.data_parallel_size > 1:
         args += ["--data-parallel-size", str(pool.data_parallel_size)]
     endpoint = otlp_endpoint(topology, cluster.namespace)
@@ -254,13 +284,13 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
         {"name": "XDG_CACHE_HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"}, {"name": "TMPDIR", "value": "/tmp"},
         {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "DO_NOT_TRACK", "value": "1"},
-        *_otel_env(topology, f"vllm-{pool.name}", cluster.namespace),
+        *nixl_env, *_otel_env(topology, f"vllm-{pool.name}", cluster.namespace),
     ]
     gpus = str(cluster.gpus_per_replica * pool.data_parallel_size)
     return {
         "name": "vllm", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
         "command": ["vllm", "serve"], "args": args,
-        "ports": _replica_ports(1), "env": env,
+        "ports": _replica_ports(1) + nixl_ports, "env": env,
         # the first start downloads the model: allow 20 minutes before liveness applies
         "startupProbe": _http_probe("/health", "http", 10, 120),
         "readinessProbe": _http_probe("/health", "http", 5, 3),
@@ -308,7 +338,7 @@ def baseline(topology: Topology, cluster: Cluster) -> list[Manifest]:
     return out
 
 
-def _gateway_config_map(topology: Topology, cluster: Cluster) -> Manifest | None:
+def _gateway_config_file(topology: Topology) -> Path | None:
     path = topology.gateway.config
     if path is None:
         return None
@@ -316,6 +346,27 @@ def _gateway_config_map(topology: Topology, cluster: Cluster) -> Manifest | None
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:
         raise ConfigError(f"kind: gateway config {path!r} not found (relative paths are read from the repo root)")
+    return found
+
+
+def gateway_pd(topology: Topology) -> str | None:
+    """The gateway's P/D rule for a P/D topology, resolved from its policy and config file the way
+    the gateway resolves them (`split at N uncached tokens` or `off`); None when no pool is P/D.
+    A topology whose pools can only prefill is refused: nothing could decode."""
+    if not is_pd(topology):
+        return None
+    if all(p.role == "prefill" for p in topology.pools):
+        raise ConfigError("kind: a P/D topology needs a decode (or both) pool next to its prefill pool")
+    from kvlab.gateway.config import load_policy
+
+    pd = load_policy(topology.gateway.policy, _gateway_config_file(topology)).pd
+    return f"split at {pd.threshold_tokens} uncached tokens" if pd.enabled else "off"
+
+
+def _gateway_config_map(topology: Topology, cluster: Cluster) -> Manifest | None:
+    found = _gateway_config_file(topology)
+    if found is None:
+        return None
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta("kvlab-gateway-config", cluster.namespace, _labels("gateway")),
             "data": {"gateway.yaml": found.read_text()}}
@@ -384,7 +435,11 @@ def gateway(topology: Topology, cluster: Cluster) -> list[Manifest]:
     }
     if init:
         spec["initContainers"] = init
-    deployment = _deployment("kvlab-gateway", ns, labels, 1, spec, _scrape_annotations(API_PORT))
+    annotations = _scrape_annotations(API_PORT)
+    pd = gateway_pd(topology)
+    if pd is not None:
+        annotations[PD_ANNOTATION] = pd
+    deployment = _deployment("kvlab-gateway", ns, labels, 1, spec, annotations)
     service = _service("kvlab-gateway", ns, labels, {PART_OF: "kvlab", COMPONENT: "gateway"},
                        [{"name": "http", "port": API_PORT, "targetPort": "http", "protocol": "TCP",
                          "nodePort": NODE_PORTS["gateway"]}], node_port=True)

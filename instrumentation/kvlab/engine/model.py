@@ -1,0 +1,133 @@
+"""`kvlab model tiny --out DIR`: a tiny Llama-architecture model for real vLLM on CPU.
+
+No model can be downloaded here, so kvlab builds one: random weights (seeded, so the same flags
+give the same files), kvlab's own tokenizer and chat template copied in. Its outputs are
+gibberish, but the compute, KV cache, prefix caching, metrics and KV events in vLLM are real.
+The default size makes a 2,000-token prefill take about half a second on one CPU core, so a
+prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
+
+Two tweaks keep a random model well behaved: the residual stream carries a constant in
+dimension 0 and the output rows of the special tokens (end-of-turn among them) read it with a
+large negative weight, so the model never emits a special token. Every reply is exactly
+`max_tokens` long and decodes to visible text, as with the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from kvlab import tokenizer as kvtok
+
+
+class TinySpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The model's shape; everything else follows from it and kvlab's tokenizer."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_layers: int = 8
+    num_heads: int = 12
+    num_kv_heads: int = 4
+    max_position_embeddings: int = 8192
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+SPEC_FILE = "kvlab_model.json"   # the spec a directory was built from (reuse check)
+
+
+def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str | Path | None = None) -> Path:
+    """Write an HF model directory (config, safetensors weights, tokenizer files) to `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else kvtok.default_dir()
+    tok = kvtok.Tokenizer(tok_dir)
+    special = sorted({tok._tok.token_to_id(t) for t in kvtok.SPECIAL_TOKENS} - {None})
+    eos = tok.eos_token_id
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        torch_dtype=spec.dtype,
+    )
+    torch.manual_seed(spec.seed)
+    with torch.no_grad():
+        model = LlamaForCausalLM(config)
+        model.model.embed_tokens.weight[:, 0] = 1.0          # constant in dimension 0 ...
+        head = model.lm_head.weight
+        head[:, 0] = 0.0
+        head[special, 0] = -10.0                             # ... read by special tokens only
+        model = model.to(getattr(torch, spec.dtype))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    (out / SPEC_FILE).write_text(json.dumps(msgspec.to_builtins(spec), indent=2) + "\n")
+    return out
+
+
+def ensure_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str | Path | None = None) -> Path:
+    """`out` holding a model built from `spec`: reused when it is there, built when not."""
+    out = Path(out)
+    spec_file = out / SPEC_FILE
+    if spec_file.is_file() and (out / "model.safetensors").is_file():
+        try:
+            if msgspec.json.decode(spec_file.read_bytes(), type=TinySpec) == spec:
+                return out
+        except msgspec.DecodeError:
+            pass
+    return build_tiny(out, spec, tokenizer_dir)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvlab model", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("tiny", help="build the tiny random-weight Llama model into --out")
+    d = TinySpec()
+    t.add_argument("--out", required=True, help="directory to write (created)")
+    t.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    t.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
+    t.add_argument("--layers", type=int, default=d.num_layers)
+    t.add_argument("--heads", type=int, default=d.num_heads)
+    t.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
+    t.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
+    t.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=d.dtype)
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: kvlab's own)")
+    a = p.parse_args(argv)
+    if a.hidden_size % a.heads or a.heads % a.kv_heads:
+        p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print("kvlab model: needs torch and transformers: `make vllm` (see docs/vllm.md)", file=sys.stderr)
+        return 1
+    spec = TinySpec(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=a.layers,
+                    num_heads=a.heads, num_kv_heads=a.kv_heads,
+                    max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
+    start = time.perf_counter()
+    out = build_tiny(a.out, spec, a.tokenizer)
+    print(f"tiny model written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,133 @@
+"""Prefill/decode disaggregation: vLLM's `kv_transfer_params` protocol and the KV-transfer cost.
+
+The protocol is the one llm-d's routing sidecar drives against vLLM with a KV connector
+(NixlConnector, `kv_role: kv_both`):
+
+1. The *prefill* request carries `kv_transfer_params: {"do_remote_decode": true,
+   "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
+   "remote_host": null, "remote_port": null}`, `max_tokens: 1`, `stream: false`. The prefill
+   replica computes the prompt's KV as usual and answers with `kv_transfer_params:
+   {"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [...],
+   "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"}`.
+2. The *decode* request is the client's request plus those params. The decode replica keeps
+   what its own prefix cache holds, *pulls* the other full prompt blocks from the prefill replica
+   (modelled: `kv_transfer_ms_fixed + tokens × kv_transfer_ms_per_token` of the latency profile,
+   times the time scale; nothing crosses the network), caches them (BlockStored events, as vLLM
+   caches received blocks) and then schedules the request: the received blocks are prefix hits,
+   so only the last partial block is computed before the first token.
+
+Every simulated replica speaks both sides (vLLM's `kv_both`); `--role` only labels it for the
+gateway. A pull that finds no free blocks is skipped and the prompt is recomputed locally
+(vLLM's recompute policy for failed KV loads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from kvlab.errors import RequestError
+
+if TYPE_CHECKING:
+    from kvlab.engine.sim.replica import Replica
+    from kvlab.engine.sim.scheduler import Request
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """`kv_transfer_params` of a request, as vLLM's NixlConnector reads it (extra keys ignored)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[Any] | None = None   # block ids, or one list per KV-cache group
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1
+
+
+def remote_block_count(ids: list[Any] | None) -> int:
+    """Blocks offered by the prefill replica (vLLM's hybrid allocator sends one list per group)."""
+    if not ids:
+        return 0
+    return len(ids[0]) if isinstance(ids[0], list) else len(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """What a decode replica received for one request."""
+
+    tokens: int                 # tokens whose KV came from the prefill replica
+    local_tokens: int           # prompt tokens the decode replica already had cached
+    offered_tokens: int         # full-block tokens the prefill replica offered
+    remote_engine_id: str | None
+    t_start: int                # ns
+    t_end: int                  # ns
+    skipped: str | None = None  # why nothing was pulled although blocks were offered
+
+    @property
+    def ms(self) -> float:
+        return (self.t_end - self.t_start) / 1e6
+
+
+class KVTransfer:
+    """One replica's side of the protocol: hand KV over (prefill) and pull it in (decode)."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.r = replica
+
+    def validate(self, params: KVTransferParams) -> None:
+        if params.do_remote_prefill and params.do_remote_decode:
+            raise RequestError("kv_transfer_params: do_remote_prefill and do_remote_decode are exclusive",
+                               param="kv_transfer_params")
+        if params.do_remote_prefill and params.remote_block_ids is None:
+            raise RequestError("kv_transfer_params.remote_block_ids is required with do_remote_prefill",
+                               param="kv_transfer_params.remote_block_ids")
+
+    def handoff(self, req: Request) -> dict[str, Any]:
+        """The params a prefill replica returns: its cached full blocks of the prompt."""
+        sched = self.r.engine.scheduler
+        full = req.num_prompt // sched.block_size
+        blocks = sched.pool.cached_prefix(req.keys[:full])
+        url = urlsplit(self.r.url or "")
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [b.id for b in blocks], "remote_engine_id": self.r.name,
+                "remote_request_id": req.id, "remote_host": url.hostname, "remote_port": url.port,
+                "tp_size": 1}
+
+    async def pull(self, req: Request, params: KVTransferParams) -> Pulled:
+        """Receive the prompt blocks this replica lacks; they end up cached and free, so the
+        scheduler finds them as prefix hits when the request is submitted right after."""
+        sched = self.r.engine.scheduler
+        pool, bs = sched.pool, sched.block_size
+        offered = remote_block_count(params.remote_block_ids)
+        cap = min(offered, (req.num_prompt - 1) // bs)   # the last token is always computed locally
+        keys = req.keys[:cap]
+        local = pool.cached_prefix(keys)
+        n = cap - len(local)
+        t0 = time.time_ns()
+
+        def done(tokens: int, skipped: str | None = None) -> Pulled:
+            return Pulled(tokens, len(local) * bs, offered * bs, params.remote_engine_id, t0, time.time_ns(), skipped)
+
+        if n <= 0:
+            return done(0)
+        pool.touch(local)
+        new = pool.allocate(n)
+        if new is None:
+            pool.free(reversed(local))
+            return done(0, "no free blocks: recomputed locally")
+        try:
+            cfg = self.r.cfg
+            await asyncio.sleep(cfg.profile.transfer_ms(n * bs) * cfg.time_scale / 1000.0)
+            start = len(local)
+            pool.cache(new, keys[start:], keys[start - 1] if start else None,
+                       req.prompt[start * bs:cap * bs])
+        finally:
+            pool.free(reversed(local + new))
+        return done(n * bs)

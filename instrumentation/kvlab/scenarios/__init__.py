@@ -1,0 +1,1 @@
+"""`kvlab lab` scenarios beyond the before/after policy comparison (one module each)."""
