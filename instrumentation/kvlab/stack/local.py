@@ -88,6 +88,7 @@ class LocalStack:
         self.scaler: Any = None           # kvlab.stack.scaler.Scaler when the topology autoscales
         self._span_export: Any = None     # this process's span processor (the scaler's spans)
         self._state_lock = threading.Lock()   # the scaler's thread writes stack.json too
+        self._starting = False                # stack.json says "starting" until start() is done
         self.extra: dict[str, Any] = {}
 
     @property
@@ -99,6 +100,7 @@ class LocalStack:
         """Telemetry, replicas, gateway and Prometheus; stack.json written; runs/latest updated."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         set_latest(self.run_dir)
+        self._starting = True
         try:
             self.start_traces()
             self.start_engines()
@@ -107,8 +109,11 @@ class LocalStack:
             if self.topology.gateway.autoscale is not None:
                 self.start_scaler()
         except BaseException:
+            self._starting = False
             self.stop()
             raise
+        self._starting = False
+        self.write_state()
         return self
 
     def stop(self) -> None:
@@ -331,7 +336,9 @@ class LocalStack:
                          + [s.child.describe() for s in (self.scaler.added if self.scaler else [])],
         }
 
-    def write_state(self, status: str = "running") -> None:
+    def write_state(self, status: str | None = None) -> None:
+        """stack.json; status defaults to "starting" during start(), "running" after."""
         if self.run_dir.exists():
             with self._state_lock:
-                write_json(self.run_dir / "stack.json", self.describe(status))
+                write_json(self.run_dir / "stack.json",
+                           self.describe(status or ("starting" if self._starting else "running")))
