@@ -27,7 +27,8 @@ from kvlab.lab import QUICK
 from kvlab.load.runner import run_bench
 from kvlab.load.summary import read_jsonl
 from kvlab.stack.local import HOST, KVLAB, free_port
-from kvlab.stack.process import Child, http_ok, stop_recorded
+from kvlab.lifecycle import http_ok
+from kvlab.stack.process import Child, stop_recorded
 from kvlab.stack.state import read_stack, runs_dir, set_latest, write_json
 from kvlab.telemetry import names as n
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 from kvlab.errors import ConfigError, KvlabError
 from kvlab.gateway.config import PRESETS, PolicyConfig, load_policy
 from kvlab.gateway.discovery.base import Discovery, Endpoint, StaticDiscovery
+from kvlab.lifecycle import announce_ready, run, stop_requested
 
 log = logging.getLogger("kvlab.gateway")
 
@@ -98,14 +97,6 @@ def discovery(args: argparse.Namespace, cfg: PolicyConfig) -> Discovery:
     return StaticDiscovery(eps)
 
 
-def _write_ready(path: str, info: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(info) + "\n")
-    os.replace(tmp, p)
-
-
 async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery) -> None:
     from aiohttp import web
 
@@ -119,15 +110,9 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery) ->
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024)
     await site.start()
-    info = {"url": f"http://{args.host}:{args.port}", "policy": cfg.name, "pid": os.getpid()}
-    print(json.dumps(info), flush=True)
-    if args.ready_file:
-        _write_ready(args.ready_file, info)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    announce_ready({"url": f"http://{args.host}:{args.port}", "policy": cfg.name, "pid": os.getpid()},
+                   args.ready_file)
+    await stop_requested()
     await runner.cleanup()
 
 
@@ -144,14 +129,7 @@ def main(argv: list[str]) -> int:
 
     configure_tracing("kvlab-gateway")
     try:
-        import uvloop  # optional: a faster event loop when installed
-    except ImportError:
-        uvloop = None
-    try:
-        if uvloop is not None:
-            uvloop.run(serve(args, cfg, disc))
-        else:
-            asyncio.run(serve(args, cfg, disc))
+        run(serve(args, cfg, disc))
     except OSError as exc:
         print(f"kvlab gateway: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from kvlab.errors import NoEndpointAvailable, RequestError, UpstreamError
+from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway import dp as dp_view
 from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.config import PolicyConfig

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import StackError
+from kvlab.lifecycle import terminate
 from kvlab.load.ramp import Ramp
 from kvlab.load.summary import summarize
 
@@ -92,13 +93,7 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
                     progress(time.monotonic() - start, tail.poll())
                 time.sleep(0.25)
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            terminate(proc)
     records = tail.poll()
     if progress:
         progress(time.monotonic() - start, records)

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.errors import KvlabError
-from kvlab.stack.process import http_ok, log_tail, runs_command, stop_recorded
+from kvlab.lifecycle import http_ok, terminate
+from kvlab.stack.process import log_tail, runs_command, stop_recorded
 from kvlab.stack.state import new_run_dir, read_stack, runs_dir, set_latest
 from kvlab.topology import builtin, load_topology
 
@@ -58,8 +59,7 @@ def up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         else:
             console.print(f"[red]kvlab up: not ready after {args.timeout:.0f} s[/red]; stopping (see {log})")
-            proc.terminate()
-            proc.wait(30)
+            terminate(proc, 30)
             return 1
     _print_stack(stack)
     console.print("\nnext: [bold]kvlab bench[/bold] | [bold]locust -f labs/locustfile.py[/bold] | [bold]kvlab down[/bold]")

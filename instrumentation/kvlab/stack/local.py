@@ -23,7 +23,9 @@ import yaml
 
 from kvlab.errors import StackError
 from kvlab.stack.process import Child
+from kvlab.stack.prometheus import start_prometheus
 from kvlab.stack.state import set_latest, write_json
+from kvlab.telemetry.sink import choose_trace_target, start_trace_target
 from kvlab.topology import Pool, Topology
 
 HOST = "127.0.0.1"
@@ -150,12 +152,6 @@ class LocalStack:
         setting = self.topology.observability.traces
         if setting == "off":
             return
-        try:
-            from kvlab.telemetry.sink import choose_trace_target, start_trace_target
-        except ImportError:  # observability part not installed: the stack runs without traces
-            if setting.startswith(("http://", "https://")):
-                self.otlp_endpoint = setting.rstrip("/")
-            return
         target = choose_trace_target(setting, self.run_dir, HOST)
         self.otlp_endpoint = target.otlp_endpoint
         self.traces_dir = target.traces_dir
@@ -165,7 +161,7 @@ class LocalStack:
             log = self.logs / f"{target.kind}.log"
             try:
                 proc = start_trace_target(target, log)
-            except RuntimeError as exc:
+            except StackError as exc:
                 raise StackError(f"trace backend: {exc}") from None
             if proc is not None:
                 self.children.append(Child("traces", list(proc.args), log, proc))
@@ -227,16 +223,12 @@ class LocalStack:
         """Prometheus scraping replicas and gateway, when the binary and the hook are there."""
         if self.topology.observability.prometheus == "off":
             return
-        try:
-            from kvlab.stack.prometheus import start_prometheus
-        except ImportError:
-            return
         port = free_port()
         targets = {"replicas": [_hostport(r["url"]) for r in self.replicas],
                    "gateway": [f"{HOST}:{self.gateway_port}"]}
         try:
             proc = start_prometheus(self.run_dir, targets, port)
-        except RuntimeError as exc:
+        except StackError as exc:
             raise StackError(f"prometheus: {exc}") from None
         if proc is not None:
             self.children.append(Child("prometheus", list(proc.args), self.run_dir / "prometheus" / "prometheus.log", proc))

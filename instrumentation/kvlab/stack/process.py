@@ -12,10 +12,10 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 from kvlab.errors import StackError
+from kvlab.lifecycle import http_ok
 
 
 def log_tail(path: Path, chars: int = 2000) -> str:
@@ -117,14 +117,6 @@ class Child:
                 return
             time.sleep(0.05)
         raise self.fail(f"not healthy at {url} after {timeout_s:.0f} s")
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def runs_command(pid: int, argv: list[str]) -> bool:

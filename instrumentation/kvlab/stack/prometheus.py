@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import yaml
+
+from kvlab.errors import StackError
+from kvlab.lifecycle import terminate, wait_http
 
 STARTUP_TIMEOUT_S = 30.0
 SD_REFRESH = "1s"    # file_sd re-reads at least this often (besides inotify)
@@ -69,7 +71,7 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
     `write_targets(run_dir, job, addrs)`.
 
     The caller owns the process: stop it with `terminate()` then `wait()`. Its log is
-    `run_dir/prometheus/prometheus.log`. RuntimeError if it exits or is not ready in time.
+    `run_dir/prometheus/prometheus.log`. StackError if it exits or is not ready in time.
     """
     binary = shutil.which("prometheus")
     if binary is None:
@@ -93,31 +95,11 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
         proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/-/ready", proc)
-    except RuntimeError:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_http(f"http://127.0.0.1:{port}/-/ready", proc, STARTUP_TIMEOUT_S)
+    except StackError:
+        terminate(proc)
         raise
     return proc
-
-
-def _wait_ready(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode}; see its log under the run dir")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"prometheus not ready at {url} after {STARTUP_TIMEOUT_S:.0f} s")
 
 
 def active_targets(base_url: str) -> list[dict]:

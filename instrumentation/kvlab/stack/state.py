@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlab.lifecycle import write_atomic
+
 
 def runs_dir() -> Path:
     """Where run directories go: $KVLAB_RUNS_DIR, else ./runs."""
@@ -40,9 +42,7 @@ def set_latest(run_dir: Path) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (readers never see half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def read_stack(run_dir: Path) -> dict[str, Any] | None:

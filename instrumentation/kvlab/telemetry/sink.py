@@ -16,19 +16,16 @@ The local stack decides between this sink, a Jaeger it starts, and an endpoint i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import gzip
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +39,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+from kvlab.errors import StackError
+from kvlab.lifecycle import announce_ready, run, stop_requested, terminate, wait_http
 
 log = logging.getLogger("kvlab.telemetry.sink")
 
@@ -186,29 +186,15 @@ def make_app(out_dir: Path) -> web.Application:
     return app
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 async def serve(host: str, port: int, out_dir: Path, ready_file: Path | None) -> None:
     runner = web.AppRunner(make_app(out_dir), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
-    ready = {"otlp_endpoint": f"http://{host}:{bound}", "traces_dir": str(out_dir), "pid": os.getpid()}
-    line = json.dumps(ready)
-    print(line, flush=True)
-    if ready_file is not None:
-        _write_atomic(ready_file, line + "\n")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    announce_ready({"otlp_endpoint": f"http://{host}:{bound}", "traces_dir": str(out_dir), "pid": os.getpid()},
+                   ready_file)
+    await stop_requested()
     await runner.cleanup()
 
 
@@ -221,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(args.host, args.port, args.out, args.ready_file))
+        run(serve(args.host, args.port, args.out, args.ready_file))
     except OSError as exc:
         print(f"kvlab sink: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
@@ -345,23 +331,6 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
         ready_url=f"http://{host}:{port}/health")
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
-    """Poll `url` until it answers 200; RuntimeError if `proc` exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s ({last})")
-
-
 def start_trace_target(target: TraceTarget, log_path: Path, timeout_s: float = 30.0) -> subprocess.Popen | None:
     """Start the target's process (sink or Jaeger), logging to `log_path`, and wait until it is
     ready. None when nothing must be started (off / external endpoint). The caller stops it by pid."""
@@ -375,14 +344,9 @@ def start_trace_target(target: TraceTarget, log_path: Path, timeout_s: float = 3
         proc = subprocess.Popen(target.argv, stdout=log_fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_ready(target.ready_url or "", proc, timeout_s)
-    except RuntimeError:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_http(target.ready_url or "", proc, timeout_s)
+    except StackError:
+        terminate(proc, 5)
         raise
     return proc
 

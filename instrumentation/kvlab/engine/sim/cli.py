@@ -8,17 +8,14 @@ SIGTERM/SIGINT stop it cleanly. Flags are documented in docs/simulator.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
-import os
-import signal
 import sys
-from pathlib import Path
 
 import msgspec
 
 from kvlab.errors import ConfigError
+from kvlab.lifecycle import announce_ready, run, stop_requested
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 
 log = logging.getLogger("kvlab.engine.sim")
@@ -116,29 +113,13 @@ def lockstep_group(cfg, tokenizer, dp: int):
     return LockstepGroup(cfg.profile, cfg.time_scale, moe)
 
 
-def _write_ready(path: str, data: bytes) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-
-
 async def serve(args: argparse.Namespace) -> None:
     replicas, ports = build_replicas(args)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         for replica, port in zip(replicas, ports):
             await replica.start(args.host, port)
-        line = msgspec.json.encode({"replicas": [r.endpoint() for r in replicas]})
-        sys.stdout.write(line.decode() + "\n")
-        sys.stdout.flush()
-        if args.ready_file:
-            _write_ready(args.ready_file, line + b"\n")
-        await stop.wait()
+        announce_ready({"replicas": msgspec.to_builtins([r.endpoint() for r in replicas])}, args.ready_file)
+        await stop_requested()
     finally:
         for replica in replicas:
             with contextlib.suppress(Exception):
@@ -150,12 +131,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_tracing("kvlab-sim")
     try:
-        try:
-            import uvloop
-        except ImportError:
-            asyncio.run(serve(args))
-        else:
-            uvloop.run(serve(args))
+        run(serve(args))
     except ConfigError as exc:
         print(f"kvlab engine sim: {exc}", file=sys.stderr)
         return 2

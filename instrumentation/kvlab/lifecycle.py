@@ -1,0 +1,92 @@
+"""How kvlab's server processes live and die, in one place.
+
+A server (simulator, gateway, trace sink, vLLM launcher) runs on uvloop when it is installed,
+announces readiness as one JSON line on stdout and in an atomically written ready file (so a
+parent polling the file never reads half of it), and serves until SIGTERM or SIGINT. A parent
+stops a child with SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from kvlab.errors import StackError
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write a file so readers see either the old content or all of the new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    if isinstance(data, str):
+        tmp.write_text(data)
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, target)
+
+
+def announce_ready(info: Any, ready_file: str | Path | None = None) -> None:
+    """Print `info` as one JSON line and, if asked, write it to `ready_file` atomically."""
+    line = json.dumps(info)
+    print(line, flush=True)
+    if ready_file:
+        write_atomic(ready_file, line + "\n")
+
+
+async def stop_requested() -> None:
+    """Return when the process receives SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run a server's main coroutine, on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a child: SIGTERM, then SIGKILL if it is still running after `grace_s`; always reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """True when `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
+    """Poll `url` until it answers 200; StackError if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise StackError(f"{Path(str(proc.args[0])).name} exited with {proc.returncode} before {url} was ready")
+        if http_ok(url, timeout_s=2.0):
+            return
+        time.sleep(0.1)
+    raise StackError(f"{url} not ready after {timeout_s:.0f} s")
