@@ -79,7 +79,7 @@ def test_lockstep_ranks_step_together_and_idle_ranks_wait_for_the_busiest():
     small = Request("small", list(range(100)), [1, 2], idle.scheduler.prompt_keys(list(range(100))))
     busy.scheduler.add(big)
     idle.scheduler.add(small)
-    batches = [group._schedule(busy), group._schedule(idle)]
+    batches = [busy.schedule_step(), idle.schedule_step()]
     ms = group._cost(batches)
     assert ms == pytest.approx(prof.step_ms(1000, 0))          # the step lasts as long as the busiest rank
     assert group.stats["small"].dp_wait_ms == pytest.approx(prof.step_ms(1000, 0) - prof.step_ms(100, 0))

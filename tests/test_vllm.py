@@ -141,6 +141,17 @@ def test_ready_json_matches_the_sims_contract(stack):
         assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+def test_tiny_model_never_stops_early_and_chat_works(stack):
+    """The tiny model never emits its EOS (special tokens are suppressed): replies are max_tokens long."""
+    url = stack["replicas"][1]["url"]
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 96, "messages": [{"role": "user", "content": "hello there"}]}).json()
+    assert r["usage"]["completion_tokens"] == 96 and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["message"]["content"].strip()          # visible text
+    rendered = Tokenizer().render_chat([{"role": "user", "content": "hello there"}])
+    assert r["usage"]["prompt_tokens"] == len(Tokenizer().encode(rendered))   # same chat template
+
+
 def test_kv_events_decode_block_by_block(stack):
     rep = stack["replicas"][0]
     prompt = _ids(3 * BS + 50, _rng())

@@ -15,6 +15,7 @@ large negative weight, so the model never emits a special token. Every reply is 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -118,10 +119,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.hidden_size % a.heads or a.heads % a.kv_heads:
         p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         print("kvlab model: needs torch and transformers: `make vllm` (see docs/vllm.md)", file=sys.stderr)
         return 1
     spec = TinySpec(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=a.layers,

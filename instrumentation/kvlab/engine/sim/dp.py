@@ -99,7 +99,7 @@ class LockstepGroup:
                 next_start = None
             now = loop.time()
             start = next_start if next_start is not None and now - next_start <= JITTER_S else now
-            batches = [self._schedule(m) for m in self.members]
+            batches = [m.schedule_step() for m in self.members]
             step_ms = self._cost(batches)
             target = start + step_ms * self.time_scale / 1000.0
             delay = target - loop.time()
@@ -113,18 +113,6 @@ class LockstepGroup:
                 except Exception:  # a bug here must not kill the group's loop silently
                     log.exception("engine step failed")
                 m._publish()
-
-    def _schedule(self, m: RankEngine) -> Batch:
-        batch = m.scheduler.schedule()
-        if batch.admitted:
-            t_ns = time.time_ns()
-            for req in batch.admitted:
-                req.t_scheduled = t_ns
-            if m.metrics is not None:
-                m._observe_admitted(batch.admitted)
-        if batch.preempted and m.metrics is not None:
-            m.metrics.preemptions.inc(batch.preempted)
-        return batch
 
     def _cost(self, batches: list[Batch]) -> float:
         """Unscaled duration of one lockstep step; accumulates every request's MoE/DP stats."""

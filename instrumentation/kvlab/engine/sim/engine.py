@@ -16,7 +16,7 @@ import time
 from kvlab.engine.sim.metrics import ReplicaMetrics
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.sampler import Sampler
-from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
+from kvlab.engine.sim.scheduler import FINISHED, Batch, Request, Scheduler
 from kvlab.kvcache.transport import EventPublisher
 
 log = logging.getLogger(__name__)
@@ -90,15 +90,7 @@ class Engine:
                 next_start = None
             now = loop.time()
             start = next_start if next_start is not None and now - next_start <= JITTER_S else now
-            batch = sched.schedule()
-            if batch.admitted:
-                t_ns = time.time_ns()
-                for req in batch.admitted:
-                    req.t_scheduled = t_ns
-                if self.metrics is not None:
-                    self._observe_admitted(batch.admitted)
-            if batch.preempted and self.metrics is not None:
-                self.metrics.preemptions.inc(batch.preempted)
+            batch = self.schedule_step()
             target = start + profile.step_ms(batch.prefill_tokens, batch.decode_seqs) * scale
             delay = target - loop.time()
             # always yield once, so HTTP handlers run between steps even when the loop is late
@@ -110,6 +102,19 @@ class Engine:
             except Exception:  # a bug here must not kill the replica's loop silently
                 log.exception("engine step failed")
             self._publish()
+
+    def schedule_step(self) -> Batch:
+        """The scheduler's next batch, with admission times and metrics recorded."""
+        batch = self.scheduler.schedule()
+        if batch.admitted:
+            t_ns = time.time_ns()
+            for req in batch.admitted:
+                req.t_scheduled = t_ns
+            if self.metrics is not None:
+                self._observe_admitted(batch.admitted)
+        if batch.preempted and self.metrics is not None:
+            self.metrics.preemptions.inc(batch.preempted)
+        return batch
 
     def _publish(self) -> None:
         events = self.scheduler.pool.take_events()
