@@ -51,7 +51,7 @@ class FakeReplica:
             ids, _ = _TOK.encode_text(payload["prompt"])
         keys = block_keys(ids, self.block_size)
         hit = 0
-        for k in keys:
+        for k in keys[:(len(ids) - 1) // self.block_size]:   # like vLLM: the last token is always computed
             if k not in self.cache:
                 break
             hit += 1
@@ -198,6 +198,26 @@ def test_prefix_policy_keeps_a_group_on_one_replica_and_delivers_prediction():
                 delivered = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert pred > 0 and delivered >= 0.9 * pred
             assert all(len(v) == 1 for v in where.values()), where
+    run(go())
+
+
+def test_block_aligned_exact_repeat_predicts_what_the_engine_reuses():
+    # a prompt of exactly 4 blocks, sent twice: all 4 blocks are cached, but the engine recomputes
+    # the last token, so it reuses 3 blocks, and the gateway must predict exactly that
+    words = "cache token model server request route replica prefix latency queue batch memory".split()
+    text = " ".join(words * 6)
+    ids = _TOK.encode_text(text)[0]
+    text = _TOK.tok.decode(ids[:64])
+    assert len(_TOK.encode_text(text)[0]) == 64
+
+    async def go():
+        async with Harness("prefix", n=1) as h:
+            await h.post("/v1/completions", {"prompt": text})
+            st, hdr, body = await h.post("/v1/completions", {"prompt": text})
+            assert st == 200, body
+            delivered = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert delivered == 48 == int(hdr[names.HEADER_PREFIX_PREDICTED])
+            assert int(hdr[names.HEADER_PREFIX_AVAILABLE]) == 48
     run(go())
 
 

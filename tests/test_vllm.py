@@ -277,8 +277,6 @@ def test_kv_aware_gateway_routes_repeats_to_the_holder_and_traces_join(stack, ga
     assert vllm_span["parentSpanId"] in upstream          # a child of the gateway's upstream call
 
 
-@pytest.mark.xfail(reason="gateway predicts every full block of a block-aligned prompt; vLLM always computes "
-                          "the last prompt token, so it reuses one block less (reported to the gateway owner)")
 def test_gateway_prediction_on_a_block_aligned_exact_repeat(stack, gateway):
     rng = _rng()
     aligned = _text_of_tokens(3 * BS, rng, Tokenizer())

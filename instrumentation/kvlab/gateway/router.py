@@ -52,21 +52,28 @@ class Router:
         sizes = {r.name: self.block_size(r) for r in replicas}
         keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
         t1 = time.perf_counter()
-        prefix, index_of = self.prefix_of(replicas, keys_by_size, sizes)
+        prefix, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
         decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix)
         self.learn(decision.chosen.replica, keys_by_size, sizes)
         return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
 
-    def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]],
+    def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], n_tokens: int,
                   sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, str]]:
-        """Cached prefix tokens per replica, each looked up in the index it can be trusted in;
-        and which index that was. `keys_by_size` must hold every replica's block size."""
+        """Reusable cached prefix tokens per replica, each looked up in the index it can be trusted
+        in; and which index that was. `keys_by_size` must hold every replica's block size.
+
+        An engine always computes a prompt's last token (it needs its logits), so a fully cached,
+        block-aligned prompt reuses one block less than it holds: the match is capped at the full
+        blocks of `n_tokens - 1` tokens, which is what vLLM then reports as `cached_tokens`."""
         sizes = sizes or {r.name: self.block_size(r) for r in replicas}
         precise_sizes = {r.name: sizes[r.name] for r in replicas if self.uses_precise(r)}
         approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
         prefix = self.precise.match(keys_by_size, precise_sizes) if precise_sizes else {}
         if approx_sizes:
             prefix.update(self.approx.match(keys_by_size, approx_sizes))
+        for name, tokens in prefix.items():
+            bs = sizes[name]
+            prefix[name] = min(tokens, max(n_tokens - 1, 0) // bs * bs)
         return prefix, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
     def learn(self, r: Replica, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
