@@ -98,6 +98,7 @@ def test_split_unified_and_one_trace(tmp_path, exporter):
         st, h, body = await complete(session, long, traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")
         assert st == 200, body
         out["first"] = (h[names.HEADER_PD_DECISION], h.get(names.HEADER_PREFILLED_BY), h[names.HEADER_ROUTED_TO])
+        out["pulled"] = int(h.get(names.HEADER_KV_TRANSFER_TOKENS, "0"))   # the decode replica's, passed through
         st, h, _ = await complete(session, long)                # cached on the decode replica now
         out["again"] = h[names.HEADER_PD_DECISION]
         st, h, _ = await complete(session, ids(60, 2))          # short
@@ -117,6 +118,7 @@ def test_split_unified_and_one_trace(tmp_path, exporter):
     exporter.clear()
     out = run(tmp_path, fn)
     assert out["first"] == (SPLIT, "prefill", "decode")
+    assert out["pulled"] >= 512       # the full blocks of the 600-token prompt came from the prefill replica
     assert out["again"] == UNIFIED and out["short"] == UNIFIED
     assert out["tail"] == SPLIT and out["chat"] == SPLIT
     m = out["metrics"]

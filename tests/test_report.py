@@ -48,6 +48,7 @@ def test_report_is_self_contained_with_the_figures(report):
     summary = json.loads(re.search(r'id="kvlab-summary">(.*?)</script>', html, re.S).group(1))
     assert summary["kv-aware"]["hit_rate"]["delivered"] > summary["round-robin"]["hit_rate"]["delivered"]
     assert "TTFT p50" in html and "lower" in html
+    assert "<h1>kvlab: round-robin vs kv-aware</h1>" in html   # the heading names what was compared
 
 
 def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

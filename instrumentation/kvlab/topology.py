@@ -54,6 +54,7 @@ class VllmSettings(Strict):
     model_dir: str | None = None    # None: the tiny model `kvlab model tiny` builds under runs/
     block_size: int = 128
     kv_cache_space_gib: float = 1.0
+    num_blocks: int | None = None   # cap the KV cache at this many blocks (--num-gpu-blocks-override)
     max_model_len: int = 4096
     extra_args: list[str] = []
 

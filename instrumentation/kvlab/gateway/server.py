@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 _RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
+_PASSED_THROUGH = (names.HEADER_REPLICA, names.HEADER_KV_TRANSFER_TOKENS, names.HEADER_KV_TRANSFER_MS)
+
 
 def _exemplar(span: trace.Span) -> dict[str, str] | None:
     """The trace-id exemplar for a latency observation (None when the span is not recorded)."""
@@ -456,9 +458,9 @@ class Gateway:
                     self.registry.success(r)
                     up.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
                     self.pd.observe_transfer(up, resp.headers)
-                    replica_header = resp.headers.get(names.HEADER_REPLICA)
-                    if replica_header:
-                        headers[names.HEADER_REPLICA] = replica_header
+                    for name in _PASSED_THROUGH:   # the replica's own x-kvlab-* facts reach the client
+                        if name in resp.headers:
+                            headers[name] = resp.headers[name]
                     try:
                         if stream and resp.status == 200:
                             return await self._relay_stream(request, span, up, r, resp, client_usage, headers, t_start)

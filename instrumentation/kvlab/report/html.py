@@ -70,6 +70,12 @@ directory (<code>kvlab traces explain</code>).</p>
 """
 
 
+def title(phases: dict[str, dict[str, Any]]) -> str:
+    """The report's heading: the phases it compares, e.g. "kvlab: round-robin vs kv-aware"."""
+    ramp = " under a load ramp, autoscaled" if any(v.get("autoscale") for v in phases.values()) else ""
+    return f"kvlab: {' vs '.join(phases)}{ramp}"
+
+
 def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ..."""
     summaries = {p: v["summary"] for p, v in phases.items()}
@@ -86,7 +92,7 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 <style>{CSS}</style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
-<h1>kvlab: cache-blind vs KV-aware routing</h1>
+<h1>{html.escape(title(phases))}</h1>
 <div class="meta">{meta_line}</div>
 <div class="headline">{html.escape(headline(summaries))}</div>
 {_table(summaries)}

@@ -59,6 +59,8 @@ def engine_argv(topology: Topology, pool: Pool, name: str, ready_file: Path, log
         v = topology.vllm
         argv += ["--block-size", str(v.block_size), "--max-model-len", str(v.max_model_len),
                  "--kv-cache-space-gib", str(v.kv_cache_space_gib), "--log-dir", str(log_dir)]
+        if v.num_blocks is not None:
+            argv += ["--num-blocks", str(v.num_blocks)]
         if v.model_dir:
             argv += ["--model-dir", v.model_dir]
         if v.extra_args:
