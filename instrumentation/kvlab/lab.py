@@ -38,11 +38,15 @@ from kvlab.topology import Topology, load_topology
 DEFAULT_POLICIES = "round-robin,kv-aware"
 FULL = {"duration": 60.0, "users": 12}
 QUICK = {"duration": 25.0, "users": 8}
+DEFAULT_TOPOLOGY = {"sim": "quickstart", "vllm": "vllm"}   # by --engine, when no --topology is given
+# workload parameters a shipped topology's KV capacity is sized for (--workload-params override them)
+TOPOLOGY_WORKLOAD_PARAMS = {"vllm": {"shared-prefix": {"groups": 6}}}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab lab", description=__doc__.splitlines()[0])
-    p.add_argument("--topology", default="quickstart", help="labs/topologies name or YAML file (default: quickstart)")
+    p.add_argument("--topology", help="labs/topologies name or YAML file (default: quickstart; "
+                                      "vllm with --engine vllm)")
     p.add_argument("--engine", choices=["sim", "vllm"], help="override the topology's engine")
     p.add_argument("--replicas", type=int, help="override the number of replicas (single-pool topologies)")
     p.add_argument("--workload", choices=NAMES, default="shared-prefix")
@@ -57,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _topology(args: argparse.Namespace) -> Topology:
-    topology = load_topology(resolve_topology(args.topology))
+    topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY[args.engine or "sim"]))
     changes: dict[str, Any] = {}
     if args.engine:
         changes["engine"] = args.engine
@@ -97,9 +101,10 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     duration = args.duration or preset["duration"]
     users = args.users or preset["users"]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    params = json.loads(args.workload_params)
-    workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
     topology = _topology(args)
+    params = {**TOPOLOGY_WORKLOAD_PARAMS.get(topology.name, {}).get(args.workload, {}),
+              **json.loads(args.workload_params)}
+    workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
@@ -108,7 +113,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · workload {workload.name} "
-                  f"(seed {args.seed}) · {users} users · {duration:.0f} s per phase · phases: {' → '.join(policies)}")
+                  f"{json.dumps(params) + ' ' if params else ''}(seed {args.seed}) · {users} users · {duration:.0f} s per phase · phases: {' → '.join(policies)}")
     phases: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     with LocalStack(topology, run_dir) as stack:
