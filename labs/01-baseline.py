@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -107,8 +109,8 @@ fig.show()
 
 # %% [markdown]
 # ## 5. Time to first token
-# A cache miss pays prefill for every prompt token (~0.25 ms/token on the `cpu-tiny` profile, so
-# ~470 ms for 1,870 tokens) plus queueing; a hit only for the uncached tail. The CDF has two steps:
+# A cache miss pays prefill for every prompt token (~0.635 ms/token on the `cpu-tiny` profile, so
+# ~1,190 ms for 1,870 tokens) plus queueing; a hit only for the uncached tail. The CDF has two steps:
 # the hits on the left, the misses on the right.
 
 # %%

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -116,7 +118,7 @@ figures.ttft_by_replica_over_time(records).show()
 
 # %% [markdown]
 # **Why the win is real**: the simulator charges prefill for every prompt token it has not cached
-# (`cpu-tiny`: 0.25 ms/token), so a hit on a 1,870-token prompt saves ~450 ms of compute — not just
+# (`cpu-tiny`: 0.635 ms/token), so a hit on a 1,870-token prompt saves ~1,140 ms of compute — not just
 # a different replica answering. The remaining slow requests on the right of the kv-aware CDF are
 # each group's *first* request (nothing to reuse yet) and requests that arrived while their
 # replica was busy.

@@ -72,6 +72,11 @@ def _topology(args: argparse.Namespace) -> Topology:
     return msgspec.structs.replace(topology, **changes) if changes else topology
 
 
+def workload_params(topology: Topology, workload: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The parameters the topology is sized for, overridden by the ones given on the command line."""
+    return {**TOPOLOGY_WORKLOAD_PARAMS.get(topology.name, {}).get(workload, {}), **given}
+
+
 def _live(records: list[dict[str, Any]]) -> str:
     ok = [r["ttft_ms"] for r in records if not r.get("error") and r.get("ttft_ms") is not None]
     errors = sum(1 for r in records if r.get("error"))
@@ -102,8 +107,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     users = args.users or preset["users"]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     topology = _topology(args)
-    params = {**TOPOLOGY_WORKLOAD_PARAMS.get(topology.name, {}).get(args.workload, {}),
-              **json.loads(args.workload_params)}
+    params = workload_params(topology, args.workload, json.loads(args.workload_params))
     workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
