@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -127,7 +129,10 @@ if stack.get("prometheus"):
     ttft = shown["TTFT p50 / p95 by policy (gateway)"]
     names = {t.name for t in ttft.data}
     assert any(x.startswith("kv-aware") for x in names), f"the gateway's TTFT by policy should include kv-aware: {names}"
-    hit = {t.name: float(np.nanmean(np.array(t.y, dtype=float))) for t in shown["Available / predicted / delivered hit rate"].data}
+    def finite_mean(ys):   # a rate window where nothing was served gives NaN, not a hit rate
+        ys = np.array(ys, dtype=float)
+        return float(np.mean(ys[np.isfinite(ys)])) if np.isfinite(ys).any() else float("nan")
+    hit = {t.name: finite_mean(t.y) for t in shown["Available / predicted / delivered hit rate"].data}
     assert hit.get("kv-aware delivered", 0) > 0.4, f"the kv-aware delivered hit rate should show in Prometheus: {hit}"
     if "round-robin delivered" in hit:   # averaged over each phase's points
         assert hit["kv-aware delivered"] > hit["round-robin delivered"], f"kv-aware should deliver more cache: {hit}"

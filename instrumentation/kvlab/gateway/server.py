@@ -367,8 +367,6 @@ class Gateway:
             headers = {**base_headers,
                        names.HEADER_PROMPT_TOKENS: str(len(tokens)),
                        names.HEADER_PREFIX_AVAILABLE: str(d.available_tokens)}
-            self.metrics.prefix_tokens.labels(self.policy, "prompt").inc(len(tokens))
-            self.metrics.prefix_tokens.labels(self.policy, "available").inc(d.available_tokens)
             # ask upstream for usage (delivered = cached_tokens), strip it later if not asked for
             client_usage = True
             if stream:
@@ -477,21 +475,26 @@ class Gateway:
         resp.headers.update(headers)
         return resp
 
-    def _delivered(self, span: trace.Span, usage: _Usage | None, headers: dict[str, str] | None = None) -> None:
+    def _delivered(self, span: trace.Span, usage: _Usage | None, headers: dict[str, str],
+                   set_header: bool = False) -> None:
+        """Record the decomposition once the replica reports what it reused. All four counters move
+        together, per served request, so ratios of their rates never divide by a window in which only
+        one side moved (which made the dashboards' hit rates spike to infinity)."""
         if usage is None:
             return
         cached = (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None) or 0
         span.set_attribute(names.PREFIX_DELIVERED_TOKENS, cached)
-        self.metrics.prefix_tokens.labels(self.policy, "delivered").inc(cached)
+        counter = self.metrics.prefix_tokens
+        counter.labels(self.policy, "prompt").inc(int(headers[names.HEADER_PROMPT_TOKENS]))
+        counter.labels(self.policy, "available").inc(int(headers[names.HEADER_PREFIX_AVAILABLE]))
+        counter.labels(self.policy, "predicted").inc(int(headers[names.HEADER_PREFIX_PREDICTED]))
+        counter.labels(self.policy, "delivered").inc(cached)
         if usage.prompt_tokens is not None:
             span.set_attribute(names.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
         if usage.completion_tokens is not None:
             span.set_attribute(names.GEN_AI_USAGE_OUTPUT_TOKENS, usage.completion_tokens)
-        if headers is not None:
+        if set_header:
             headers[names.HEADER_PREFIX_DELIVERED] = str(cached)
-
-    def _predicted(self, headers: dict[str, str]) -> None:
-        self.metrics.prefix_tokens.labels(self.policy, "predicted").inc(int(headers[names.HEADER_PREFIX_PREDICTED]))
 
     async def _relay_unary(self, span: trace.Span, up: trace.Span, r: Replica,
                            resp: aiohttp.ClientResponse, headers: dict[str, str]) -> web.Response:
@@ -509,9 +512,8 @@ class Gateway:
             out.headers.update(headers)
             return out
         if resp.status == 200:
-            self._predicted(headers)
             try:
-                self._delivered(span, _usage_decoder.decode(data).usage, headers)
+                self._delivered(span, _usage_decoder.decode(data).usage, headers, set_header=True)
             except msgspec.DecodeError:
                 pass
         else:
@@ -525,7 +527,6 @@ class Gateway:
     async def _relay_stream(self, request: web.Request, span: trace.Span, up: trace.Span, r: Replica,
                             resp: aiohttp.ClientResponse, client_usage: bool, headers: dict[str, str],
                             t_start: float) -> web.StreamResponse:
-        self._predicted(headers)
         out = web.StreamResponse(status=200, headers={
             **headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
@@ -548,7 +549,7 @@ class Gateway:
                         except msgspec.DecodeError:
                             parsed = None
                         if parsed is not None and parsed.usage is not None:
-                            self._delivered(span, parsed.usage)
+                            self._delivered(span, parsed.usage, headers)
                             if not client_usage and not parsed.choices:
                                 continue   # the usage-only chunk the client did not ask for
                     send.append(ev)
