@@ -35,20 +35,13 @@ def otlp_endpoint() -> str | None:
 
 
 def _exporter():
-    """kvlab's OTLP/HTTP JSON exporter unless another protocol is asked for: the SDK's protobuf
-    encoding costs ~50 µs of Python per span, which at gateway rates is most of a core
-    (docs/benchmarks.md); the JSON mapping encoded with msgspec costs a few µs."""
     protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/json")
-    if protocol == "http/json":
-        from kvlab.telemetry.otlp_json import OtlpJsonSpanExporter
-
-        return OtlpJsonSpanExporter()
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    # the SDK's exporters read endpoint, headers and timeout from the same OTEL_* variables
+    # the exporter reads endpoint, headers and timeout from the same OTEL_* variables
     return OTLPSpanExporter()
 
 
