@@ -44,7 +44,7 @@ _TOK = PromptTokenizer()
 
 
 class OtlpReceiver:
-    """Collects (trace_id, span_id, parent_span_id, name) from OTLP/HTTP posts, JSON or protobuf."""
+    """Collects (trace_id, span_id, parent_span_id, name) from OTLP/HTTP protobuf posts."""
 
     def __init__(self) -> None:
         self.spans: list[dict] = []
@@ -54,20 +54,13 @@ class OtlpReceiver:
             def do_POST(self):  # noqa: N802
                 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Type", "").startswith("application/json"):   # kvlab's default
-                    for rs in json.loads(body)["resourceSpans"]:
-                        for ss in rs["scopeSpans"]:
-                            for s in ss["spans"]:
-                                receiver.spans.append({"trace_id": s["traceId"], "span_id": s["spanId"],
-                                                       "parent": s.get("parentSpanId", ""), "name": s["name"]})
-                else:
-                    req = ExportTraceServiceRequest()
-                    req.ParseFromString(body)
-                    for rs in req.resource_spans:
-                        for ss in rs.scope_spans:
-                            for s in ss.spans:
-                                receiver.spans.append({"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                                                       "parent": s.parent_span_id.hex(), "name": s.name})
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        for s in ss.spans:
+                            receiver.spans.append({"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                                                   "parent": s.parent_span_id.hex(), "name": s.name})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
