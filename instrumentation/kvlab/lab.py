@@ -8,6 +8,8 @@ cache, start the gateway with the phase's policy (round-robin first, kv-aware se
 Locust workload headless, stop the gateway. Writes runs/<id>/phase-N-<policy>/{requests.jsonl,
 summary.json}, runs/<id>/summary.json (both phases and their ratios) and runs/<id>/report.html,
 and prints the before/after table. docs/lab.md explains the phases and how to read the report.
+`--cluster` runs the same comparison on a kind cluster instead: its cache-blind baseline Service,
+then its gateway (`run_cluster_lab`, docs/kind.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one phase each")
     p.add_argument("--quick", action="store_true", help="short phases (the CI check; ~1 minute in all)")
     p.add_argument("--run-dir", help="where to write (default: a new runs/<id>)")
+    p.add_argument("--cluster", action="store_true", help="no local stack: the kind cluster's baseline Service, "
+                                                          "then its gateway (docs/kind.md)")
+    p.add_argument("--context", default="kind-kvlab", help="--cluster: the kube context")
+    p.add_argument("--namespace", default="kvlab", help="--cluster: the namespace")
     return p
 
 
@@ -101,11 +108,51 @@ def comparison(summaries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+Prepare = Callable[[str], str]   # phase name -> the URL Locust targets, once that phase's caches are reset
+
+
+def run_phases(console: Console, run_dir: Path, phases: list[tuple[str, str]], prepare: Prepare, *,
+               workload: str, params: dict[str, Any], users: int, duration: float, seed: int, model: str,
+               otlp_endpoint: str | None, waiting: str) -> dict[str, dict[str, Any]]:
+    """Run each (name, policy) phase after `prepare` reset the caches and returned its target:
+    runs/<id>/phase-N-<name>/; {name: {"summary", "records"}} in run order (what the report takes)."""
+    out: dict[str, dict[str, Any]] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), TimeElapsedColumn(),
+                  TextColumn("{task.fields[live]}"), console=console) as progress:
+        for n, (name, policy) in enumerate(phases, 1):
+            task = progress.add_task(f"phase {n}: {name}", total=duration, live=waiting)
+            target = prepare(name)
+
+            def update(elapsed: float, records: list[dict[str, Any]], task=task) -> None:
+                progress.update(task, completed=min(elapsed, duration), live=_live(records))
+
+            phase_dir = run_dir / f"phase-{n}-{name}"
+            summary = run_bench(target, phase_dir, workload=workload, params=params, users=users,
+                                duration_s=duration, seed=seed, model=model, phase=name, policy=policy,
+                                otlp_endpoint=otlp_endpoint, progress=update)
+            progress.update(task, completed=duration)
+            out[name] = {"summary": summary, "records": read_jsonl(phase_dir / "requests.jsonl")}
+    return out
+
+
+def finish(console: Console, run_dir: Path, phases: dict[str, dict[str, Any]], document: dict[str, Any],
+           meta: dict[str, Any], traces: str) -> None:
+    """runs/<id>/summary.json (`document` + phases + comparison) and report.html; prints the table."""
+    summaries = {p: v["summary"] for p, v in phases.items()}
+    write_json(run_dir / "summary.json", {**document, "phases": summaries, "comparison": comparison(summaries)})
+    report = write_report(run_dir / "report.html", phases, meta)
+    console.print(summary_table(summaries, title="before → after"))
+    console.print(f"[bold]{headline(summaries)}[/bold]")
+    console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  {traces}")
+
+
 def run_lab(args: argparse.Namespace, console: Console) -> Path:
     preset = QUICK if args.quick else FULL
     duration = args.duration or preset["duration"]
     users = args.users or preset["users"]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.cluster:
+        return run_cluster_lab(args, console, duration, users)
     topology = _topology(args)
     params = workload_params(topology, args.workload, json.loads(args.workload_params))
     workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
@@ -118,7 +165,6 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · workload {workload.name} "
                   f"{json.dumps(params) + ' ' if params else ''}(seed {args.seed}) · {users} users · {duration:.0f} s per phase · phases: {' → '.join(policies)}")
-    phases: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     with LocalStack(topology, run_dir) as stack:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,40 +175,83 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
             stack.start_prometheus()
         console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in stack.replicas)} "
                       f"({time.monotonic() - started:.0f} s); logs in {stack.logs}")
-        with Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), TimeElapsedColumn(),
-                      TextColumn("{task.fields[live]}"), console=console) as progress:
-            for n, policy in enumerate(policies, 1):
-                task = progress.add_task(f"phase {n}: {policy}", total=duration, live="starting gateway...")
-                stack.stop_gateway()
-                stack.reset_caches()
-                stack.start_gateway(policy)
 
-                def update(elapsed: float, records: list[dict[str, Any]], task=task) -> None:
-                    progress.update(task, completed=min(elapsed, duration), live=_live(records))
-
-                out = run_dir / f"phase-{n}-{policy}"
-                summary = run_bench(stack.gateway_url, out, workload=workload.name, params=params, users=users,
-                                    duration_s=duration, seed=args.seed, model=topology.model, phase=policy,
-                                    policy=policy, otlp_endpoint=stack.otlp_endpoint, progress=update)
-                progress.update(task, completed=duration)
-                phases[policy] = {"summary": summary, "records": read_jsonl(out / "requests.jsonl")}
+        def prepare(policy: str) -> str:
             stack.stop_gateway()
-    summaries = {p: v["summary"] for p, v in phases.items()}
+            stack.reset_caches()
+            stack.start_gateway(policy)
+            return stack.gateway_url
+
+        phases = run_phases(console, run_dir, [(p, p) for p in policies], prepare, workload=workload.name,
+                            params=params, users=users, duration=duration, seed=args.seed, model=topology.model,
+                            otlp_endpoint=stack.otlp_endpoint, waiting="starting gateway...")
+        stack.stop_gateway()
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
         "workload": workload.describe(), "users": users, "duration_s": duration, "quick": args.quick,
-        "policies": policies, "phases": summaries, "comparison": comparison(summaries),
-        "wall_s": round(time.monotonic() - started, 1),
+        "policies": policies, "wall_s": round(time.monotonic() - started, 1),
     }
-    write_json(run_dir / "summary.json", document)
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": workload.name, "seed": args.seed, "users": users, "seconds per phase": duration}
-    report = write_report(run_dir / "report.html", phases, meta)
-    console.print(summary_table(summaries, title="before → after"))
-    console.print(f"[bold]{headline(summaries)}[/bold]")
-    console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  "
-                  f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
+    finish(console, run_dir, phases, document, meta,
+           f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
+    return run_dir
+
+
+def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float, users: int) -> Path:
+    """`kvlab lab --cluster`: the cache-blind baseline Service, then the gateway, of a kind cluster
+    (deployed with `kvlab cluster deploy`), each after resetting every replica pod's prefix cache."""
+    from kvlab.stack.kind.caches import reset_prefix_caches
+    from kvlab.stack.kind.forward import cluster_target
+
+    if args.engine or args.replicas is not None or args.policies != DEFAULT_POLICIES:
+        raise KvlabError("--cluster runs what `kvlab cluster deploy` deployed: --engine, --replicas and "
+                         "--policies do not apply (deploy another --topology instead)")
+    topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
+    params = workload_params(topology, args.workload, json.loads(args.workload_params))
+    workload = create(args.workload, seed=args.seed, params=params)
+    policy = topology.gateway.policy
+    # (name, policy): the baseline's "policy" is kube-proxy's per-connection spreading
+    plan = [("baseline-service", "kube-proxy"), (f"gateway-{policy}", policy)]
+    targets = dict(zip((name for name, _ in plan), ("baseline", "gateway")))
+    where = {"context": args.context, "namespace": args.namespace}
+    run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    set_latest(run_dir)
+    console.rule(f"[bold]kvlab lab --cluster[/bold] {run_dir.name}")
+    console.print(f"cluster {args.context}/{args.namespace} · workload {workload.name} "
+                  f"{json.dumps(params) + ' ' if params else ''}(seed {args.seed}) · {users} users · "
+                  f"{duration:.0f} s per phase · phases: {' → '.join(name for name, _ in plan)}")
+    resets: dict[str, dict[str, str | None]] = {}
+    started = time.monotonic()
+
+    def prepare(name: str) -> str:
+        resets[name] = reset_prefix_caches(args.context, args.namespace)
+        refused = {k: why for k, why in resets[name].items() if why}
+        for target, why in refused.items():
+            console.print(f"[yellow]warning: {target}: reset_prefix_cache refused: {why}; "
+                          f"phase {name} starts with a warm cache[/yellow]")
+        return cluster_target(targets[name], **where)
+
+    phases = run_phases(console, run_dir, plan, prepare, workload=workload.name, params=params, users=users,
+                        duration=duration, seed=args.seed, model=topology.model, otlp_endpoint=None,
+                        waiting="resetting prefix caches...")
+    answered = {r["policy"] for r in phases[plan[1][0]]["records"] if r.get("policy")} - {policy}
+    if answered:
+        console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "
+                      f"{policy}: pass the --topology you deployed[/yellow]")
+    pods = sorted({k.rsplit(":", 1)[0] for r in resets.values() for k in r})
+    document = {
+        "id": run_dir.name, "run_dir": str(run_dir), "engine": None, "replicas": len(pods),
+        "cluster": {**where, "replica_pods": pods, "cache_resets": resets},
+        "topology": msgspec.to_builtins(topology), "workload": workload.describe(), "users": users,
+        "duration_s": duration, "quick": args.quick, "policies": [p for _, p in plan],
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    meta = {"run": run_dir.name, "cluster": f"{args.context}/{args.namespace}", "replica pods": len(pods),
+            "workload": workload.name, "seed": args.seed, "users": users, "seconds per phase": duration}
+    finish(console, run_dir, phases, document, meta, "Jaeger in the cluster (kvlab cluster forward jaeger)")
     return run_dir
 
 

@@ -18,7 +18,10 @@ from kvlab.stack.state import latest_stack, runs_dir
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab bench", description=__doc__)
-    p.add_argument("--target", help="base URL of an OpenAI-compatible API (default: the gateway of runs/latest)")
+    p.add_argument("--target", help="base URL of an OpenAI-compatible API, or cluster:gateway | cluster:baseline "
+                                    "for a kind cluster (default: the gateway of runs/latest)")
+    p.add_argument("--context", default="kind-kvlab", help="kube context of a cluster: target")
+    p.add_argument("--namespace", default="kvlab", help="namespace of a cluster: target")
     p.add_argument("--workload", choices=NAMES, default="shared-prefix")
     p.add_argument("--params", default="{}", help='workload parameters as JSON, e.g. \'{"groups": 16}\'')
     p.add_argument("--users", type=int, default=16)
@@ -31,14 +34,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_target(target: str, context: str | None, namespace: str) -> str:
+    """A URL as given; `cluster:gateway|baseline` through the kind path (docs/kind.md)."""
+    if not target.startswith("cluster:"):
+        return target
+    from kvlab.stack.kind.forward import cluster_target
+
+    return cluster_target(target.removeprefix("cluster:"), context=context, namespace=namespace)
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     console = Console()
-    stack = latest_stack()
+    # a cluster target has nothing to do with the local stack (its model, run dir, OTLP endpoint)
+    stack = None if (args.target or "").startswith("cluster:") else latest_stack()
     target = args.target or (stack or {}).get("gateway")
     if not target:
         console.print("[red]kvlab bench: no --target and no running stack (start one with `kvlab up`)[/red]")
         return 2
+    try:
+        target = resolve_target(target, args.context, args.namespace)
+    except KvlabError as exc:
+        console.print(f"kvlab bench: {exc}", style="red", markup=False)
+        return 1
     model = args.model or ((stack or {}).get("topology") or {}).get("model") or "kvlab-tiny"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else (Path(stack["run_dir"]) if stack else runs_dir()) / f"bench-{stamp}"

@@ -59,7 +59,7 @@ def summary_table(summaries: dict[str, dict[str, Any]], title: str | None = None
     phases = list(summaries.values())
     for label, path, fmt, better in ROWS:
         values = [metric_value(s, path) for s in phases]
-        cells = [fmt.format(v) if v is not None else "–" for v in values]
+        cells = [fmt.format(v) if v is not None else "n/a" for v in values]
         if pair:
             cells.append(_change(values[0], values[1], better))
         table.add_row(label, *cells)

@@ -23,7 +23,7 @@ def _table(summaries: dict[str, dict[str, Any]]) -> str:
     head = "".join(f"<th>{html.escape(p)}</th>" for p in summaries)
     rows = []
     for label, path, fmt, _ in ROWS:
-        cells = "".join(f"<td>{fmt.format(v) if (v := metric_value(s, path)) is not None else '–'}</td>"
+        cells = "".join(f"<td>{fmt.format(v) if (v := metric_value(s, path)) is not None else 'n/a'}</td>"
                         for s in summaries.values())
         rows.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
     return f"<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"

@@ -284,6 +284,8 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
         {"name": "XDG_CACHE_HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"}, {"name": "TMPDIR", "value": "/tmp"},
         {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "DO_NOT_TRACK", "value": "1"},
+        # enables POST /reset_prefix_cache (`kvlab lab --cluster` resets caches before each phase)
+        {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
         *nixl_env, *_otel_env(topology, f"vllm-{pool.name}", cluster.namespace),
     ]
     gpus = str(cluster.gpus_per_replica * pool.data_parallel_size)

@@ -1,0 +1,230 @@
+"""`kvlab bench --target cluster:...` and `kvlab lab --cluster`, without a cluster.
+
+The lab's cluster mode runs end to end against a local simulator: replica sim-0 stands in for the
+baseline Service URL, sim-1 for the gateway URL (`cluster_target` is monkeypatched to return
+them). The cache resets go through the real `reset_prefix_caches` with a fake CoreV1Api that lists
+real V1Pod objects and forwards each pod-proxy POST to a simulator's /reset_prefix_cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import IN_CI, free_port
+
+if not IN_CI:  # in CI a missing client fails at import instead of skipping
+    pytest.importorskip("kubernetes")
+
+from kubernetes.client import (  # noqa: E402
+    V1Container,
+    V1ContainerPort,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodCondition,
+    V1PodList,
+    V1PodSpec,
+    V1PodStatus,
+)
+from kubernetes.client.exceptions import ApiException  # noqa: E402
+
+from kvlab import lab  # noqa: E402
+from kvlab.load import cli as bench_cli  # noqa: E402
+from kvlab.stack.kind import caches  # noqa: E402
+from kvlab.stack.kind import forward  # noqa: E402
+from kvlab.stack.kind.manifests import REPLICA_SELECTOR, Cluster, render  # noqa: E402
+from kvlab.topology import Topology  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- kvlab bench
+
+
+def test_bench_resolves_cluster_targets_and_passes_urls_through(monkeypatch):
+    calls = []
+
+    def fake(which, context=None, namespace="kvlab", via="auto"):
+        calls.append((which, context, namespace))
+        return f"http://127.0.0.1:9/{which}"
+
+    monkeypatch.setattr(forward, "cluster_target", fake)
+    assert bench_cli.resolve_target("cluster:baseline", "kind-x", "ns") == "http://127.0.0.1:9/baseline"
+    assert bench_cli.resolve_target("cluster:gateway", "kind-kvlab", "kvlab") == "http://127.0.0.1:9/gateway"
+    assert bench_cli.resolve_target("http://10.0.0.1:8000", "kind-x", "ns") == "http://10.0.0.1:8000"
+    assert calls == [("baseline", "kind-x", "ns"), ("gateway", "kind-kvlab", "kvlab")]
+
+
+def test_bench_imports_the_kind_path_only_for_cluster_targets():
+    code = ("import sys; from kvlab.load.cli import resolve_target; resolve_target('http://x:1', None, 'kvlab'); "
+            "print(any(m.startswith(('kvlab.stack.kind', 'kubernetes')) for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_bench_rejects_an_unknown_cluster_target(capsys, tmp_path):
+    assert bench_cli.main(["--target", "cluster:jaeger", "--out", str(tmp_path)]) == 1
+    assert "must be 'gateway' or 'baseline'" in capsys.readouterr().out
+    assert not (tmp_path / "requests.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- GPU manifests
+
+
+def test_gpu_replicas_accept_reset_prefix_cache():
+    manifests = [x for ms in render(Topology(), Cluster(gpu=True)).values() for x in ms]
+    replicas = [x for x in manifests if x["kind"] == "Deployment"
+                and x["metadata"]["labels"].get("app.kubernetes.io/component") == "replica"]
+    assert replicas
+    for d in replicas:
+        env = {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+# ----------------------------------------------------------------------------- kvlab lab --cluster
+
+
+def _pod(name: str, ready: bool = True) -> V1Pod:
+    ports = [V1ContainerPort(name="http", container_port=8000), V1ContainerPort(name="kv-events", container_port=5557)]
+    return V1Pod(
+        metadata=V1ObjectMeta(name=name, namespace="kvlab", labels={"app.kubernetes.io/component": "replica"}),
+        spec=V1PodSpec(containers=[V1Container(name="sim", ports=ports)]),
+        status=V1PodStatus(phase="Running" if ready else "Pending", pod_ip="10.244.0.9" if ready else None,
+                           conditions=[V1PodCondition(type="Ready", status="True" if ready else "False")]))
+
+
+class FakeCore:
+    """list_namespaced_pod + the pod proxy; `urls` maps a pod to the simulator replica behind it,
+    a pod without one answers like vLLM without VLLM_SERVER_DEV_MODE (404 through the proxy)."""
+
+    def __init__(self, pods: list[V1Pod], urls: dict[str, str]) -> None:
+        self.pods, self.urls = pods, urls
+        self.listed: list[tuple[str, str]] = []
+        self.posts: list[tuple[float, str, str, str]] = []
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_) -> V1PodList:
+        self.listed.append((namespace, label_selector))
+        return V1PodList(items=self.pods)
+
+    def connect_post_namespaced_pod_proxy_with_path(self, name: str, namespace: str, path: str, **_) -> str:
+        self.posts.append((time.time(), name, namespace, path))
+        url = self.urls.get(name.split(":")[0])
+        if url is None:
+            raise ApiException(status=404, reason="Not Found")
+        req = urllib.request.Request(f"{url}/{path}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read().decode()
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory):
+    ready = tmp_path_factory.mktemp("sims") / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "2", "--no-kv-events",
+         "--ports", f"{free_port()},{free_port()}", "--ready-file", str(ready), "--time-scale", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "simulator did not become ready"
+            time.sleep(0.05)
+        yield [r["url"] for r in json.loads(ready.read_text())["replicas"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster_lab(sims, tmp_path_factory):
+    service_url, gateway_url = sims
+    root = tmp_path_factory.mktemp("cluster-lab")
+    core = FakeCore([_pod("kvlab-replicas-a"), _pod("kvlab-replicas-b"), _pod("kvlab-replicas-c"),
+                     _pod("kvlab-replicas-d", ready=False)],
+                    {"kvlab-replicas-a": service_url, "kvlab-replicas-b": gateway_url})
+    targets: list[tuple[float, str, str | None, str]] = []
+
+    def fake_target(which, context=None, namespace="kvlab", via="auto"):
+        targets.append((time.time(), which, context, namespace))
+        return {"baseline": service_url, "gateway": gateway_url}[which]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVLAB_RUNS_DIR", str(root / "runs"))
+        mp.setattr(forward, "cluster_target", fake_target)
+        mp.setattr(caches, "core_api", lambda context: core)
+        console = lab.Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115
+        run_dir = lab.run_lab(lab.parser().parse_args(
+            ["--cluster", "--context", "kind-test", "--namespace", "kvlab", "--duration", "4", "--users", "2",
+             "--seed", "5", "--run-dir", str(root / "runs" / "lab")]), console)
+    return run_dir, core, targets, console.export_text()
+
+
+PHASES = ["baseline-service", "gateway-kv-aware"]
+
+
+def test_cluster_lab_runs_the_service_then_the_gateway_with_the_same_workload(cluster_lab, sims):
+    run_dir, _, targets, _ = cluster_lab
+    assert [(which, ctx, ns) for _, which, ctx, ns in targets] == [("baseline", "kind-test", "kvlab"),
+                                                                   ("gateway", "kind-test", "kvlab")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["phases"]) == PHASES
+    for n, (phase, url) in enumerate(zip(PHASES, sims), 1):
+        s = summary["phases"][phase]
+        assert s["ok"] >= 2 and s["errors"] == 0, s
+        assert s["target"] == url and s["seed"] == 5 and s["users"] == 2 and s["workload"] == "shared-prefix"
+        records = [json.loads(x) for x in (run_dir / f"phase-{n}-{phase}" / "requests.jsonl").read_text().splitlines()]
+        assert records and {r["phase"] for r in records} == {phase}
+        assert {r["replica"] for r in records} == {f"sim-{n - 1}"}   # each phase hit its own stand-in
+    assert summary["cluster"]["context"] == "kind-test" and summary["replicas"] == 3
+
+
+def test_caches_are_reset_on_every_ready_pod_before_each_phase(cluster_lab):
+    run_dir, core, _, out = cluster_lab
+    assert core.listed and all(sel == REPLICA_SELECTOR and ns == "kvlab" for ns, sel in core.listed)
+    names = [name for _, name, _, _ in core.posts]
+    per_phase = ["kvlab-replicas-a:8000", "kvlab-replicas-b:8000", "kvlab-replicas-c:8000"]
+    assert names == per_phase * 2                        # the Pending pod d is never touched
+    assert {path for _, _, _, path in core.posts} == {"reset_prefix_cache"}
+    for n, phase in enumerate(PHASES):
+        records = [json.loads(x) for x in (run_dir / f"phase-{n + 1}-{phase}" / "requests.jsonl").read_text().splitlines()]
+        resets = [t for t, *_ in core.posts[3 * n: 3 * n + 3]]
+        assert max(resets) < min(r["ts"] for r in records)
+        if n:   # phase 2's resets come after phase 1 finished
+            before = [json.loads(x) for x in (run_dir / f"phase-1-{PHASES[0]}" / "requests.jsonl").read_text().splitlines()]
+            assert min(resets) > max(r["ts"] + r["e2e_ms"] / 1000 for r in before)
+    resets = json.loads((run_dir / "summary.json").read_text())["cluster"]["cache_resets"]
+    assert resets[PHASES[1]]["kvlab-replicas-a:8000"] is None
+    assert "404" in resets[PHASES[1]]["kvlab-replicas-c:8000"]
+    # the refused reset is a warning, once per phase, and the lab still finished
+    assert out.count("kvlab-replicas-c:8000: reset_prefix_cache refused") == 2
+    assert "VLLM_SERVER_DEV_MODE" in out
+
+
+def test_unknown_hit_rates_are_n_a_not_numbers(cluster_lab):
+    run_dir, _, _, out = cluster_lab
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for phase in PHASES:   # no x-kvlab-* gateway headers from the stand-ins: available/predicted unknown
+        hit = summary["phases"][phase]["hit_rate"]
+        assert hit["available"] is None and hit["predicted"] is None
+        assert hit["delivered"] is not None    # the engine's cached_tokens still count
+    table = next(line for line in out.splitlines() if "hit rate available" in line)
+    assert table.count("n/a") == 2
+    html = (run_dir / "report.html").read_text()
+    assert "baseline-service vs gateway-kv-aware" in html
+    row = html[html.index("hit rate predicted"):].split("</tr>")[0]
+    assert row.count("<td>n/a</td>") == 2
+
+
+def test_cluster_mode_refuses_local_stack_options(capsys):
+    assert lab.main(["--cluster", "--policies", "random"]) == 1
+    assert "--policies" in capsys.readouterr().out
