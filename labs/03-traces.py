@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -82,7 +84,7 @@ print(f"{len(traces)} traces from {source.describe()}; {len(rows)} gateway reque
 # %%
 kv_rows = [r for r in rows if r.policy == "kv-aware" and r.available > 0 and r.ttft_ms is not None]
 sample = kv_rows[len(kv_rows) // 2]
-trace = source.trace(sample.trace_id)
+trace = nb.wait_trace(stack, sample.trace_id, (n.SPAN_CLIENT_REQUEST, n.SPAN_SCHEDULE, n.SPAN_ENGINE_PREFILL))
 if stack.get("jaeger"):
     print(f"open in Jaeger: {stack['jaeger']}/trace/{trace.trace_id}")
 else:

@@ -141,6 +141,8 @@ class LocalStack:
         env["OTEL_SERVICE_NAME"] = service
         if self.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.otlp_endpoint
+            # export every second rather than the SDK's 5 s, so a learner's trace shows up at once
+            env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
             ratio = self.topology.observability.sample_ratio
             if ratio < 1.0:
                 env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
