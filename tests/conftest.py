@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +43,28 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@contextmanager
+def sim_process(tmp: Path, *flags: str, stdout: int = subprocess.DEVNULL,
+                timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`kvlab engine sim FLAGS` in a subprocess (no trace export); yields (process, its ready JSON).
+    Stopped by its pid on exit: SIGTERM, SIGKILL after 15 s; `proc.returncode` tells how it ended."""
+    ready = tmp / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "engine", "sim", *flags, "--ready-file", str(ready)],
+                            stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            assert proc.poll() is None, f"simulator exited: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "simulator did not become ready"
+            time.sleep(0.05)
+        yield proc, json.loads(ready.read_text())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

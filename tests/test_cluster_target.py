@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import IN_CI, free_port
+from conftest import IN_CI, free_port, sim_process
 
 if not IN_CI:  # in CI a missing client fails at import instead of skipping
     pytest.importorskip("kubernetes")
@@ -123,26 +122,9 @@ class FakeCore:
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    ready = tmp_path_factory.mktemp("sims") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "2", "--no-kv-events",
-         "--ports", f"{free_port()},{free_port()}", "--ready-file", str(ready), "--time-scale", "0.2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "simulator did not become ready"
-            time.sleep(0.05)
-        yield [r["url"] for r in json.loads(ready.read_text())["replicas"]]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with sim_process(tmp_path_factory.mktemp("sims"), "--replicas", "2", "--no-kv-events",
+                     "--ports", f"{free_port()},{free_port()}", "--time-scale", "0.2") as (_, info):
+        yield [r["url"] for r in info["replicas"]]
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 
+from conftest import sim_process
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.runner import run_bench
 from kvlab.load.workloads import create
@@ -20,20 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    ready = tmp_path_factory.mktemp("sim") / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "1",
-                             "--ready-file", str(ready), "--time-scale", "0.2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, "simulator exited"
-            assert time.monotonic() < deadline, "simulator not ready"
-            time.sleep(0.05)
-        yield json.loads(ready.read_text())["replicas"][0]
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    with sim_process(tmp_path_factory.mktemp("sim"), "--replicas", "1", "--time-scale", "0.2") as (_, info):
+        yield info["replicas"][0]
 
 
 def test_stream_chat_measures_ttft_itl_and_cached_tokens(replica):

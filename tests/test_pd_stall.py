@@ -4,9 +4,6 @@ one (`itl_max_ms`), which a mean ITL hides; the summary reports them over reques
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +11,7 @@ import numpy as np
 import pytest
 import requests
 
+from conftest import sim_process
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.summary import summarize
 from kvlab.load.workloads import Request
@@ -26,20 +24,9 @@ LONG_TOKENS = 1500
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    ready = tmp_path_factory.mktemp("sim") / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "1", "--no-kv-events",
-                             "--profile", "cpu-tiny", "--ready-file", str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, "simulator exited"
-            assert time.monotonic() < deadline, "simulator not ready"
-            time.sleep(0.05)
-        yield json.loads(ready.read_text())["replicas"][0]["url"]
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    with sim_process(tmp_path_factory.mktemp("sim"), "--replicas", "1", "--no-kv-events",
+                     "--profile", "cpu-tiny") as (_, info):
+        yield info["replicas"][0]["url"]
 
 
 def test_a_long_prefill_stalls_a_running_decode_and_the_record_shows_it(replica):

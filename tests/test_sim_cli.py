@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import zmq
 
-from conftest import free_port
+from conftest import free_port, sim_process
 from kvlab.kvcache.events import AllBlocksCleared, BlockStored, decode_batch
 from kvlab.kvcache.hashing import block_keys
 from kvlab.telemetry import names
@@ -28,32 +24,13 @@ MODEL = "kvlab-tiny"
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    ready = tmp_path_factory.mktemp("sim") / "ready.json"
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlab.cli", "engine", "sim", "--replicas", "2", "--ports", str(port),
-         "--ready-file", str(ready), "--seed", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "simulator did not become ready"
-            time.sleep(0.05)
-        line = proc.stdout.readline()
-        info = json.loads(ready.read_text())
-        assert json.loads(line) == info
+    with sim_process(tmp_path_factory.mktemp("sim"), "--replicas", "2", "--ports", str(port), "--seed", "3",
+                     stdout=subprocess.PIPE) as (proc, info):
+        assert json.loads(proc.stdout.readline()) == info      # the same ready JSON on stdout
         assert info["replicas"][0]["url"] == f"http://127.0.0.1:{port}"
         yield info["replicas"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    assert proc.returncode == 0                                # SIGTERM is a clean shutdown
 
 
 def client(rep) -> openai.OpenAI:
