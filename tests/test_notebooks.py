@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -85,12 +86,13 @@ def _stop_everything(runs: Path) -> list[str]:
     return [f"{e['name']} {e['pid']}" for e in entries if runs_command(int(e["pid"]), e["argv"])]
 
 
-@pytest.fixture(scope="module")
-def runs_dir():
-    tmp = Path(tempfile.mkdtemp(prefix="kvlab-nb-"))
-    runs = tmp / "runs"
+@contextmanager
+def _runs_env(prefix: str):
+    """A fresh runs dir for the kernels (they inherit KVLAB_RUNS_DIR: stacks land there); on exit
+    the variable is restored and every process recorded under it is stopped, or the test fails."""
+    runs = Path(tempfile.mkdtemp(prefix=prefix)) / "runs"
     old = os.environ.get("KVLAB_RUNS_DIR")
-    os.environ["KVLAB_RUNS_DIR"] = str(runs)    # the kernels inherit it: stacks land here
+    os.environ["KVLAB_RUNS_DIR"] = str(runs)
     try:
         yield runs
     finally:
@@ -100,6 +102,12 @@ def runs_dir():
             os.environ["KVLAB_RUNS_DIR"] = old
         left = _stop_everything(runs)
         assert not left, f"processes still running after teardown: {left}"
+
+
+@pytest.fixture(scope="module")
+def runs_dir():
+    with _runs_env("kvlab-nb-") as runs:
+        yield runs
 
 
 def _execute(ipynb: Path, out: Path, overrides: str = "") -> None:
@@ -148,24 +156,13 @@ def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
 @pytest.mark.slow
 def test_a_notebook_runs_alone_starting_what_it_needs():
     """Lab 03 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvlab-nb-alone-"))
-    runs = tmp / "runs"
-    old = os.environ.get("KVLAB_RUNS_DIR")
-    os.environ["KVLAB_RUNS_DIR"] = str(runs)
-    try:
-        _execute(LABS / "03-traces.ipynb", tmp / "03-traces.ipynb", overrides="DURATION_S = 15.0")
+    with _runs_env("kvlab-nb-alone-") as runs:
+        _execute(LABS / "03-traces.ipynb", runs.parent / "03-traces.ipynb", overrides="DURATION_S = 15.0")
         run = (runs / "latest").resolve()
         assert (run / "phase-1-round-robin" / "summary.json").exists()
         assert (run / "phase-2-kv-aware" / "summary.json").exists()
         stack = json.loads((run / "stack.json").read_text())
         assert stack["status"] == "running"     # left running for the next lab, until teardown
-    finally:
-        if old is None:
-            os.environ.pop("KVLAB_RUNS_DIR", None)
-        else:
-            os.environ["KVLAB_RUNS_DIR"] = old
-        left = _stop_everything(runs)
-        assert not left, f"processes still running after teardown: {left}"
 
 
 # ---- rendering ------------------------------------------------------------------------------------

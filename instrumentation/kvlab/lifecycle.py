@@ -51,6 +51,17 @@ async def stop_requested() -> None:
     await stop.wait()
 
 
+async def cancel(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has finished unwinding."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def run(main: Coroutine[Any, Any, Any]) -> Any:
     """Run a server's main coroutine, on uvloop when it is installed."""
     try:

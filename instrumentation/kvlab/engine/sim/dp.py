@@ -26,6 +26,7 @@ from kvlab.engine.sim.engine import JITTER_S, Engine
 from kvlab.engine.sim.moe import MoeModel, MoeStats, StepCost
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import Batch, Request
+from kvlab.lifecycle import cancel
 from kvlab.telemetry import names
 
 log = logging.getLogger(__name__)
@@ -78,12 +79,8 @@ class LockstepGroup:
 
     async def stop_member(self) -> None:
         self._started -= 1
-        if self._started <= 0 and self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        if self._started <= 0:
+            await cancel(self._task)
             self._task = None
 
     # ---- the loop --------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Batch, Request, Scheduler
 from kvlab.kvcache.transport import EventPublisher
+from kvlab.lifecycle import cancel
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,8 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel(self._task)
+        self._task = None
 
     def submit(self, req: Request) -> None:
         req.t_arrival = time.time_ns()
