@@ -1,56 +1,79 @@
 """Process-level OpenTelemetry setup from the standard OTEL_* environment variables.
 
-Called once at process start by a server or CLI (never by instrumented code). Exports only when
-an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or `..._TRACES_ENDPOINT`) and
-`OTEL_TRACES_EXPORTER` is not `none`; otherwise spans are still created (so trace context still
-propagates) but go nowhere. Export runs in a background batch processor: a dead trace backend
-costs dropped spans and a log line, never a failed request. Sampling follows
-`OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` (the SDK reads them).
+Called once at process start by a server or CLI (never by instrumented code). Every variable the
+Python SDK defines for traces is read by the SDK itself; this module only wires the pieces:
+
+- `OTEL_PROPAGATORS`: the API builds the global propagator from it at import (default
+  `tracecontext,baggage`); nothing here replaces it.
+- `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`: the SDK's TracerProvider reads them.
+- `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES`: the SDK's resource detector; they win over the
+  service name the caller passes (that one is only the default).
+- `OTEL_TRACES_EXPORTER`: exporter names from the SDK's `opentelemetry_traces_exporter` entry
+  points (`otlp`, `otlp_proto_http`, `otlp_proto_grpc`, `console`, comma-separated) or `none`.
+  Unset: OTLP when an endpoint is configured, else nothing (spans are still created, so trace
+  context still propagates; a lab process never sprays localhost:4318).
+- `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` picks the `otlp` exporter (`http/protobuf` by default, as
+  the specification says; `grpc`); endpoint, headers, timeout (seconds in the Python SDK),
+  compression and certificates are read by the exporter from `OTEL_EXPORTER_OTLP_[TRACES_]*`.
+
+Export runs in a background batch processor (`OTEL_BSP_*`): a dead trace backend costs dropped
+spans and a log line, never a failed request; a misconfigured exporter costs a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import entry_points
 
-from opentelemetry import propagate, trace
-from opentelemetry.propagators.composite import CompositePropagator
-from opentelemetry.sdk.resources import Resource
+from opentelemetry import trace
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 log = logging.getLogger(__name__)
 
 _configured: TracerProvider | None = None
+_OTLP_BY_PROTOCOL = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
 
 
-def otlp_endpoint() -> str | None:
-    """The configured OTLP traces endpoint, or None when export is off."""
-    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
-        return None
-    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
+def exporter_names() -> list[str]:
+    """The trace exporters this process should run (entry-point names), from the OTEL_* env."""
+    configured = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if configured == "none":
+        return []
+    if not configured:
+        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        configured = "otlp" if endpoint else ""
+    names = []
+    for name in filter(None, (n.strip() for n in configured.split(","))):
+        if name == "otlp":
+            protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+            if protocol not in _OTLP_BY_PROTOCOL:
+                log.warning("OTLP protocol %r is not supported for traces (use http/protobuf or grpc); "
+                            "export disabled", protocol)
+                continue
+            name = _OTLP_BY_PROTOCOL[protocol]
+        names.append(name)
+    return names
 
 
-def _exporter():
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    # the exporter reads endpoint, headers and timeout from the same OTEL_* variables
-    return OTLPSpanExporter()
+def _exporter(name: str) -> SpanExporter:
+    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+    if not found:
+        raise LookupError(f"no trace exporter named {name!r} is installed")
+    return found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
 
 
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
                       attributes: dict[str, str] | None = None) -> TracerProvider:
-    """Install the global TracerProvider for this process (idempotent) and W3C propagators.
+    """Install the global TracerProvider for this process (idempotent).
 
-    `extra` adds a span processor (tests pass an in-memory exporter's processor).
-    `OTEL_SERVICE_NAME` overrides `service_name`.
+    `service_name` and `attributes` are defaults that `OTEL_SERVICE_NAME` and
+    `OTEL_RESOURCE_ATTRIBUTES` override. `extra` adds a span processor (tests pass an in-memory
+    exporter's processor; the stack process its own OTLP exporter).
     """
     global _configured
     if _configured is None and isinstance(trace.get_tracer_provider(), TracerProvider):
@@ -61,19 +84,17 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
         if extra is not None:
             _configured.add_span_processor(extra)
         return _configured
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name),
-                                **(attributes or {})})
-    provider = TracerProvider(resource=resource)
-    if otlp_endpoint():
+    resource = Resource.create({"service.name": service_name, **(attributes or {})}).merge(
+        OTELResourceDetector().detect())
+    provider = TracerProvider(resource=resource)   # sampler from OTEL_TRACES_SAMPLER[_ARG]
+    for name in exporter_names():
         try:
-            provider.add_span_processor(BatchSpanProcessor(_exporter()))
+            provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
         except Exception as exc:  # telemetry never breaks the caller
-            log.warning("OTLP trace export disabled: %s", exc)
+            log.warning("trace exporter %s disabled: %s", name, exc)
     if extra is not None:
         provider.add_span_processor(extra)
     trace.set_tracer_provider(provider)
-    propagate.set_global_textmap(CompositePropagator(
-        [TraceContextTextMapPropagator(), W3CBaggagePropagator()]))
     # the OTLP exporter logs every failed export at ERROR; one warning is enough for us
     logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").setLevel(logging.CRITICAL)
     logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").setLevel(logging.CRITICAL)
