@@ -1,10 +1,11 @@
-"""kvlab.traces: readers (OTLP JSON files, Jaeger's HTTP API), the decision and hit-rate views,
+"""kvlab.traces: readers (OTLP JSON files, Jaeger's OTLP query API), the decision and hit-rate views,
 the figures and the `kvlab traces` command, on spans made by the real OTel SDK."""
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvlab.errors import KvlabError
 from kvlab.telemetry import names as n
-from kvlab.telemetry.sink import to_otlp_json
+from kvlab.telemetry.sink import SpanFile
 from kvlab.traces import cli
 from kvlab.traces.decision import decision_of
 from kvlab.traces.figures import decision_figure, hitrate_figure, waterfall_figure, write_html
@@ -54,6 +55,7 @@ def make_request(gw, sim, policy: str, chosen: str, predicted: int, delivered: i
                               n.SCHEDULE_REASON: "prefix" if policy == "kv-aware" else "round-robin",
                               n.SCHEDULE_SHADOW: policy != "kv-aware", n.POLICY: policy,
                               n.PREFIX_AVAILABLE_TOKENS: 96, n.PREFIX_PREDICTED_TOKENS: predicted})
+            s.add_event("picked", {n.REPLICA: chosen})
         with tracer.start_as_current_span(n.SPAN_UPSTREAM, kind=trace.SpanKind.CLIENT):
             with engine.start_as_current_span(n.SPAN_ENGINE_REQUEST, kind=trace.SpanKind.SERVER) as e:
                 e.set_attribute(n.ENGINE_CACHED_TOKENS, delivered)
@@ -71,9 +73,11 @@ def run_dir(tmp_path: Path) -> Path:
            make_request(gw, sim, "kv-aware", "sim-1", 96, 80)]
     traces = tmp_path / "run" / "traces"
     traces.mkdir(parents=True)
+    sink = SpanFile(traces)                 # the sink's own writer: canonical OTLP/JSON lines
+    for exporter in (gw_exp, sim_exp):
+        sink.write(encode_spans(exporter.get_finished_spans()))
+    sink.close()
     with (traces / "traces-1.jsonl").open("w") as fh:
-        for exporter in (gw_exp, sim_exp):
-            fh.write(json.dumps(to_otlp_json(encode_spans(exporter.get_finished_spans()))) + "\n")
         fh.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId"\n')   # cut short by a crash
     for phase, tid, ttft in [("phase-1-round-robin", ids[0], 400.0), ("phase-2-kv-aware", ids[1], 50.0)]:
         (tmp_path / "run" / phase).mkdir()
@@ -148,60 +152,59 @@ def test_cli_on_a_run(run_dir: Path, capsys, tmp_path: Path):
 
 
 # ---- Jaeger -----------------------------------------------------------------------------------
-# A response in the shape of Jaeger v2's /api/traces (model/json): microsecond times, typed tags,
-# CHILD_OF references, services in `processes`.
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-JAEGER_TRACE = {
-    "traceID": TRACE_ID,
-    "spans": [
-        {"traceID": TRACE_ID, "spanID": "00f067aa0ba902b7", "operationName": n.SPAN_GATEWAY_REQUEST,
-         "references": [], "startTime": 1700000000000000, "duration": 5000, "processID": "p1", "logs": [],
-         "tags": [{"key": "span.kind", "type": "string", "value": "server"},
-                  {"key": n.POLICY, "type": "string", "value": "kv-aware"},
-                  {"key": n.PROMPT_TOKENS, "type": "int64", "value": 128},
-                  {"key": n.PREFIX_DELIVERED_TOKENS, "type": "int64", "value": 64},
-                  {"key": "otel.status_code", "type": "string", "value": "OK"}]},
-        {"traceID": TRACE_ID, "spanID": "00f067aa0ba902b8", "operationName": n.SPAN_SCHEDULE,
-         "references": [{"refType": "CHILD_OF", "traceID": TRACE_ID, "spanID": "00f067aa0ba902b7"}],
-         "startTime": 1700000000000100, "duration": 300, "processID": "p1",
-         "logs": [{"timestamp": 1700000000000200, "fields": [{"key": "event", "type": "string", "value": "picked"}]}],
-         "tags": [{"key": n.SCHEDULE_CANDIDATES, "type": "string", "value": json.dumps(CANDIDATES)},
-                  {"key": n.SCHEDULE_CHOSEN, "type": "string", "value": "sim-1"},
-                  {"key": n.SCHEDULE_SHADOW, "type": "bool", "value": False},
-                  {"key": n.PREFIX_AVAILABLE_TOKENS, "type": "int64", "value": 96},
-                  {"key": n.PREFIX_PREDICTED_TOKENS, "type": "int64", "value": 96},
-                  {"key": "kvlab.engine.queue_ms", "type": "float64", "value": 1.5}]},
-        {"traceID": TRACE_ID, "spanID": "00f067aa0ba902b9", "operationName": n.SPAN_ENGINE_REQUEST,
-         "references": [{"refType": "CHILD_OF", "traceID": TRACE_ID, "spanID": "00f067aa0ba902b7"}],
-         "startTime": 1700000000000500, "duration": 4000, "processID": "p2", "logs": [],
-         "tags": [{"key": "span.kind", "type": "string", "value": "server"},
-                  {"key": "error", "type": "bool", "value": True}]},
-    ],
-    "processes": {"p1": {"serviceName": "kvlab-gateway", "tags": []},
-                  "p2": {"serviceName": "kvlab-sim", "tags": []}},
-    "warnings": None,
-}
+# A Jaeger v2 query service as jaeger-idl's api_v3 HTTP binding answers: its OTLP/JSON `result`
+# is built from the very lines the sink format wrote for the run (so the parser reads real
+# OTLP/JSON), one trace per resource-spans group as Jaeger returns them.
+
+
+def _resource_spans_by_trace(traces_dir: Path) -> dict[str, list[dict]]:
+    """trace id -> resourceSpans holding only that trace's spans, from the run's span files."""
+    out: dict[str, list[dict]] = {}
+    for line in (line for f in sorted(traces_dir.glob("*.jsonl")) for line in f.read_text().splitlines()):
+        try:
+            request = json.loads(line)
+        except ValueError:
+            continue   # the line cut short by a crash
+        for rs in request["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for span in ss["spans"]:
+                    out.setdefault(span["traceId"], []).append(
+                        {"resource": rs["resource"], "scopeSpans": [{"scope": ss.get("scope", {}), "spans": [span]}]})
+    return out
+
+
+def _service_of(rs: dict) -> str:
+    return next(kv["value"]["stringValue"] for kv in rs["resource"]["attributes"] if kv["key"] == "service.name")
 
 
 @pytest.fixture
-def jaeger_url():
-    seen = []
+def jaeger_url(run_dir: Path):
+    by_trace = _resource_spans_by_trace(run_dir / "traces")
+    seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             seen.append(self.path)
-            if self.path == "/api/services":
-                body = {"data": ["kvlab-gateway", "kvlab-sim"], "total": 2}
-            elif self.path.startswith("/api/traces?"):
-                body = {"data": [JAEGER_TRACE], "total": 0, "limit": 0, "offset": 0, "errors": None}
-            elif self.path == f"/api/traces/{TRACE_ID}":
-                body = {"data": [JAEGER_TRACE], "errors": None}
+            url = urllib.parse.urlsplit(self.path)
+            q = dict(urllib.parse.parse_qsl(url.query))
+            status = 200
+            if url.path == "/api/v3/services":
+                body = {"services": sorted({_service_of(rs) for groups in by_trace.values() for rs in groups})}
+            elif url.path == "/api/v3/traces":
+                if not (q.get("query.start_time_min") and q.get("query.start_time_max")):
+                    status, body = 400, {"error": {"httpCode": 400, "message": "start_time_min and max are required"}}
+                else:
+                    found = [rs for groups in by_trace.values()
+                             if any(_service_of(rs) == q.get("query.service_name") for rs in groups) for rs in groups]
+                    body = {"result": {"resourceSpans": found}}
+            elif url.path.startswith("/api/v3/traces/"):
+                body = {"result": {"resourceSpans": by_trace.get(url.path.rsplit("/", 1)[1], [])}}
             else:
-                self.send_response(404)
-                self.end_headers()
-                return
+                status, body = 404, {"error": {"httpCode": 404, "message": "404 page not found"}}
+            if status == 200 and "result" in body and not body["result"]["resourceSpans"]:
+                status, body = 404, {"error": {"httpCode": 404, "message": "No traces found"}}
             data = json.dumps(body).encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -220,30 +223,36 @@ def jaeger_url():
         server.server_close()
 
 
-def test_jaeger_source(jaeger_url):
+def test_jaeger_source_reads_the_same_traces_as_the_files(jaeger_url, run_dir: Path):
     url, seen = jaeger_url
     src = JaegerSource(url)
+    files = OtlpFileSource(run_dir / "traces").traces()
     traces = src.traces(limit=5)
-    assert len(traces) == 1                       # the same trace found via both services, once
-    assert any(p.startswith("/api/traces?") and "service=kvlab-sim" in p and "limit=5" in p for p in seen)
-    t = src.trace(TRACE_ID)
-    assert t.services == ["kvlab-gateway", "kvlab-sim"]
-    root = t.root
-    assert (root.name, root.kind, root.status, root.duration_ms) == (n.SPAN_GATEWAY_REQUEST, "server", "ok", 5.0)
-    engine = t.first(n.SPAN_ENGINE_REQUEST)
-    assert engine.parent_id == root.span_id and engine.status == "error" and "error" not in engine.attributes
-    schedule = t.first(n.SPAN_SCHEDULE)
-    assert schedule.events[0].name == "picked" and schedule.attributes["kvlab.engine.queue_ms"] == 1.5
+    assert [t.trace_id for t in traces] == [t.trace_id for t in files]   # found via both services, once each
+    finds = [urllib.parse.parse_qs(urllib.parse.urlsplit(p).query) for p in seen if p.startswith("/api/v3/traces?")]
+    assert sorted(q["query.service_name"][0] for q in finds) == ["kvlab-gateway", "kvlab-sim"]
+    assert all(q["query.search_depth"] == ["5"] and q["query.start_time_min"][0].endswith("Z") for q in finds)
+    for mine, theirs in zip(traces, files):
+        assert [(s.span_id, s.parent_id, s.name, s.service, s.kind, s.start_ns, s.end_ns, s.attributes,
+                 s.status, s.events) for s in mine] == \
+               [(s.span_id, s.parent_id, s.name, s.service, s.kind, s.start_ns, s.end_ns, s.attributes,
+                 s.status, s.events) for s in theirs]
+    t = src.trace(files[1].trace_id.upper())
+    assert t.services == ["kvlab-gateway", "kvlab-sim"] and t.root.name == n.SPAN_GATEWAY_REQUEST
+    assert t.first(n.SPAN_SCHEDULE).events[0].name == "picked" and t.root.kind == "server"
+    assert [(d, s.name) for d, s in t.walk()][-2:] == [(2, n.SPAN_ENGINE_REQUEST), (3, n.SPAN_ENGINE_PREFILL)]
     d = decision_of(t)
-    assert (d.chosen, d.policy, d.shadow, d.available, d.predicted, d.delivered) == ("sim-1", "kv-aware", False, 96, 96, 64)
+    assert (d.chosen, d.policy, d.shadow, d.available, d.predicted, d.delivered) == ("sim-1", "kv-aware", False, 96, 96, 80)
     assert [c.prefix_tokens for c in d.candidates] == [0, 96, 64]
+    assert src.traces(service="nobody") == []               # Jaeger's 404 "No traces found"
     with pytest.raises(KvlabError):
         src.trace("1" * 32)
 
 
-def test_jaeger_cli(jaeger_url, capsys):
+def test_jaeger_cli(jaeger_url, run_dir: Path, capsys):
     url, _ = jaeger_url
-    assert cli.main(["explain", TRACE_ID, "--jaeger", url]) == 0
+    trace_id = OtlpFileSource(run_dir / "traces").traces()[1].trace_id
+    assert cli.main(["explain", trace_id, "--jaeger", url]) == 0
     out = capsys.readouterr().out
-    assert "★ sim-1" in out and "delivered (engine reused)  64 (50%)" in out
+    assert "★ sim-1" in out and "delivered (engine reused)  80 (62%)" in out
     assert cli.main(["list", "--jaeger", "http://127.0.0.1:9"]) == 1   # nothing listens: a clear error

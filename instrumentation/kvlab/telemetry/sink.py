@@ -320,7 +320,7 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
         config = run_dir / "jaeger.yaml"
         return TraceTarget(
             kind="jaeger", otlp_endpoint=f"http://{host}:{ports[0]}", query_url=f"http://{host}:{ports[2]}",
-            argv=[jaeger, "--config", str(config)], ready_url=f"http://{host}:{ports[2]}/api/services",
+            argv=[jaeger, "--config", str(config)], ready_url=f"http://{host}:{ports[2]}/api/v3/services",
             config_file=config, config_text=_jaeger_config(host, *ports))
     port = _free_port(host)
     traces_dir = run_dir / "traces"
