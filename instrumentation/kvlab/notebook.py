@@ -244,10 +244,14 @@ def replica_metrics(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
                 text = resp.read().decode()
         except OSError:
             continue
+        usage: list[float] = []
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in wanted:
+                if sample.name == n.VLLM_KV_CACHE_USAGE:
+                    usage.append(sample.value)   # a fraction per engine: averaged, not summed
+                elif sample.name in wanted:
                     values[wanted[sample.name]] += sample.value
+        values["kv_usage"] = sum(usage) / len(usage) if usage else 0.0
         out[r["name"]] = values
     return out
 

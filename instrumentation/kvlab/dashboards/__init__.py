@@ -1,7 +1,8 @@
 """Grafana dashboards as code (grafana-foundation-sdk): `kvlab dashboards [--out DIR] [--check]`.
 
-Writes dashboards/*.json ("Before / after", "Routing", "Replicas", "P/D and data parallel") and
-the Grafana provisioning files under dashboards/provisioning/. `--check` writes nothing and
+Writes dashboards/*.json ("Before / after", "Routing", "Replicas", "P/D and data parallel"), the
+Grafana provisioning files under dashboards/provisioning/ and the Prometheus rules under
+dashboards/rules/. `--check` writes nothing and
 fails when the files on disk differ from what the code generates. `--verify PROMETHEUS_URL`
 evaluates every panel query over the last `--since` seconds and fails on any query that errors
 or returns no data (queries of metrics that open issues will add are reported, not failed).

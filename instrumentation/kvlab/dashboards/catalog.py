@@ -1,5 +1,5 @@
-"""Every kvlab dashboard and provisioning file, rendered from code to the exact bytes committed
-under dashboards/ (a test checks the committed files equal these)."""
+"""Every kvlab dashboard, provisioning file and the Prometheus rule file, rendered from code to the
+exact bytes committed under dashboards/ (a test checks the committed files equal these)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import yaml
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from kvlab.dashboards import before_after, pd_dp, replicas, routing
+from kvlab.dashboards import before_after, pd_dp, replicas, routing, rules
 from kvlab.dashboards.panels import JAEGER_UID, PROMETHEUS_UID
 
 # file name (under dashboards/) -> builder module, in the order a learner opens them
@@ -85,6 +85,7 @@ def render() -> dict[str, str]:
              for name, module in DASHBOARDS.items()}
     for path, doc in {**_datasources(), "provisioning/dashboards/kvlab.yaml": _providers()}.items():
         files[path] = _YAML_HEADER + yaml.safe_dump(doc, sort_keys=False)
+    files[rules.FILE] = rules.render()
     return files
 
 

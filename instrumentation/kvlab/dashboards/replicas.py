@@ -22,8 +22,9 @@ def build():
         .with_panel(graph("Running (batch)", [
             Query(f"sum by (instance) ({n.VLLM_NUM_REQUESTS_RUNNING})", "{{instance}}")], width=8))
         .with_panel(graph("KV-cache usage", [
-            Query(f"max by (instance) ({n.VLLM_KV_CACHE_USAGE})", "{{instance}}")],
-            unit="percentunit", width=8, minimum=0, maximum=1))
+            Query(f"avg by (instance) ({n.VLLM_KV_CACHE_USAGE})", "{{instance}}")],
+            unit="percentunit", width=8, minimum=0, maximum=1,
+            description="Mean over a replica's engines (data-parallel ranks): each reports its own cache's fraction."))
         .with_row(row("Prefix cache"))
         .with_panel(graph("Engine prefix-cache hit rate", [Query(f"{hits} / {queries}", "{{instance}}")],
                           unit="percentunit", width=12, minimum=0, maximum=1,

@@ -26,8 +26,11 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def parse_metrics(text: str) -> dict[str, float | dict[str, str]]:
     """{waiting, running, kv_usage: float, cache_config: {label: value}} from an exposition page.
-    Series with several label sets (vLLM labels by model/engine) are summed."""
+    A replica with several engines (vLLM's `engine` label, one per data-parallel rank) reports a
+    series per engine: queue and batch are summed, KV usage (a fraction of each engine's own
+    cache) is averaged."""
     out: dict[str, float | dict[str, str]] = {}
+    usage: list[float] = []
     wanted = {names.VLLM_NUM_REQUESTS_WAITING: "waiting", names.VLLM_NUM_REQUESTS_RUNNING: "running",
               names.VLLM_KV_CACHE_USAGE: "kv_usage"}
     for line in text.splitlines():
@@ -41,9 +44,14 @@ def parse_metrics(text: str) -> dict[str, float | dict[str, str]]:
                 value = float((rest.rsplit("}", 1)[1] if labelled else rest).split()[0])
             except (IndexError, ValueError):
                 continue
-            out[key] = float(out.get(key, 0.0)) + value  # type: ignore[arg-type]
+            if key == "kv_usage":
+                usage.append(value)
+            else:
+                out[key] = float(out.get(key, 0.0)) + value  # type: ignore[arg-type]
         elif name == names.VLLM_CACHE_CONFIG_INFO:
             out["cache_config"] = dict(_LABEL.findall(rest))
+    if usage:
+        out["kv_usage"] = sum(usage) / len(usage)
     return out
 
 

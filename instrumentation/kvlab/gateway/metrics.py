@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvlab.telemetry import names
 
@@ -17,8 +17,13 @@ _LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+# per replica: name, in flight, healthy, precise blocks, approximate blocks, KV-event feed state
+Snapshot = Callable[[], Iterable[tuple[str, int, bool, int, int, str]]]
+EVENT_STATES = ("none", "connecting", "live", "stale")   # endpoints.Replica.events_state
+
+
 class _StateCollector:
-    def __init__(self, snapshot: Callable[[], Iterable[tuple[str, int, bool, int, int]]]) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
 
     def collect(self):
@@ -27,16 +32,35 @@ class _StateCollector:
                                     labels=["replica"])
         blocks = GaugeMetricFamily(names.KVLAB_INDEX_BLOCKS, "blocks the gateway believes each replica holds",
                                    labels=["replica", "index"])
-        for name, n, ok, precise, approx in self.snapshot():
+        events = GaugeMetricFamily(names.KVLAB_KV_EVENTS_STATE, "KV-event feed state per replica (1 = current)",
+                                   labels=["replica", "state"])
+        for name, n, ok, precise, approx, state in self.snapshot():
             inflight.add_metric([name], n)
             healthy.add_metric([name], 1.0 if ok else 0.0)
             blocks.add_metric([name, "precise"], precise)
             blocks.add_metric([name, "approximate"], approx)
-        yield from (inflight, healthy, blocks)
+            for s in EVENT_STATES:
+                events.add_metric([name, s], 1.0 if s == state else 0.0)
+        yield from (inflight, healthy, blocks, events)
+
+
+class _DeprecatedAliases:
+    """Each renamed metric again under its old name (names.KVLAB_DEPRECATED_ALIASES), same samples,
+    so dashboards and alerts written for the old name keep working for one release."""
+
+    def __init__(self, metrics: dict[str, object]) -> None:
+        self.metrics = metrics   # current name -> the metric object that owns it
+
+    def collect(self):
+        for old, new in names.KVLAB_DEPRECATED_ALIASES.items():
+            for family in self.metrics[new].collect():  # type: ignore[attr-defined]
+                alias = Metric(old, f"DEPRECATED: renamed to {new}. {family.documentation}", family.type)
+                alias.samples = [s._replace(name=old + s.name[len(new):]) for s in family.samples]
+                yield alias
 
 
 class GatewayMetrics:
-    def __init__(self, snapshot: Callable[[], Iterable[tuple[str, int, bool, int, int]]]) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(names.KVLAB_REQUESTS, "proxied requests", ["replica", "policy", "status"], registry=r)
         self.decisions = Counter(names.KVLAB_DECISIONS, "routing decisions by reason", ["policy", "reason"], registry=r)
@@ -63,4 +87,7 @@ class GatewayMetrics:
                                      registry=r)
         self.desired_replicas = Gauge(names.KVLAB_DESIRED_REPLICAS, "replicas the load needs (docs/autoscaling.md)",
                                       registry=r)
+        self.current_replicas = Gauge(names.KVLAB_CURRENT_REPLICAS, "healthy replicas the recommendation counted",
+                                      registry=r)
         r.register(_StateCollector(snapshot))
+        r.register(_DeprecatedAliases({names.KVLAB_KV_TRANSFER_SECONDS: self.kv_transfer}))

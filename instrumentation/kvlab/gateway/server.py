@@ -167,6 +167,7 @@ class Gateway:
                 prev = self.autoscaler.last
                 rec = self.autoscaler.observe(self.registry.candidates())
                 self.metrics.desired_replicas.set(rec.desired)
+                self.metrics.current_replicas.set(rec.current)
                 if prev is None or prev.desired != rec.desired:
                     record_change(self.tracer, prev, rec)
             except Exception:  # the signal never takes the gateway down
@@ -218,7 +219,8 @@ class Gateway:
 
     def _snapshot(self):
         for r in list(self.registry.replicas.values()):
-            yield r.name, r.inflight, r.healthy, self.precise.blocks(r.name), self.approx.blocks(r.name)
+            yield (r.name, r.inflight, r.healthy, self.precise.blocks(r.name), self.approx.blocks(r.name),
+                   r.events_state)
 
     # ---- small endpoints ---------------------------------------------------------------------
     @web.middleware

@@ -6,6 +6,10 @@ loopback only and returns once `/-/ready` answers. Exemplar storage is on, so la
 that carry trace-id exemplars link to traces in Grafana. No binary → None (the lab still runs;
 dashboards then need a Prometheus of the user's own).
 
+The lab's recording and alerting rules (`kvlab.dashboards.rules`, the same text as
+dashboards/rules/kvlab.rules.yaml) are written beside the config and evaluated every scrape
+interval; `/api/v1/alerts` lists the firing ones (docs/observability.md#alerts).
+
 Targets are file-based service discovery (`file_sd_configs`): one JSON file per job under
 `run_dir/prometheus/targets/`, which `write_targets` rewrites atomically when the stack adds or
 removes a replica (the autoscaling scenario); Prometheus notices the change without a reload.
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from kvlab.dashboards import rules
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate, wait_http
 
@@ -49,12 +54,19 @@ def write_targets(run_dir: Path, job: str, addrs: list[str]) -> Path:
     return path
 
 
+def rules_file(run_dir: Path) -> Path:
+    """The lab's recording and alerting rules (kvlab.dashboards.rules), as this Prometheus loads them."""
+    return Path(run_dir).absolute() / "prometheus" / "kvlab.rules.yaml"
+
+
 def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0) -> dict:
-    """The prometheus.yml content: one job per name, its targets read from its file_sd file."""
+    """The prometheus.yml content: one job per name, its targets read from its file_sd file, and
+    the lab's rules evaluated every scrape interval."""
     interval = _duration(scrape_interval_s)
     timeout = _duration(min(scrape_interval_s, 10.0) * 0.9)
     return {
         "global": {"scrape_interval": interval, "scrape_timeout": timeout, "evaluation_interval": interval},
+        "rule_files": [str(rules_file(run_dir))],
         "scrape_configs": [
             {"job_name": job, "metrics_path": "/metrics",
              "file_sd_configs": [{"files": [str(targets_file(run_dir, job))], "refresh_interval": SD_REFRESH}]}
@@ -80,6 +92,7 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
     (home / "data").mkdir(parents=True, exist_ok=True)
     for job, addrs in targets.items():
         write_targets(run_dir, job, addrs)
+    rules_file(run_dir).write_text(rules.render())
     config = home / "prometheus.yml"
     config.write_text(yaml.safe_dump(scrape_config(list(targets), run_dir, scrape_interval_s), sort_keys=False))
     argv = [

@@ -146,11 +146,15 @@ KVLAB_UPSTREAM_ERRORS = "kvlab_gateway_upstream_errors"   # counter {replica, ki
 KVLAB_RETRIES = "kvlab_gateway_retries"                   # counter {replica}
 KVLAB_EJECTIONS = "kvlab_gateway_ejections"               # counter {replica}
 KVLAB_PD_DECISIONS = "kvlab_gateway_pd_decisions"         # counter {decision, reason}
-KVLAB_KV_TRANSFER_SECONDS = "kvlab_kv_transfer_seconds"   # histogram
+KVLAB_KV_TRANSFER_SECONDS = "kvlab_gateway_kv_transfer_seconds"   # histogram
 KVLAB_DESIRED_REPLICAS = "kvlab_gateway_desired_replicas"  # gauge
+KVLAB_CURRENT_REPLICAS = "kvlab_gateway_current_replicas"  # gauge: the replicas the recommendation counted
 KVLAB_INFLIGHT = "kvlab_gateway_inflight"                 # gauge {replica}
 KVLAB_ENDPOINT_HEALTHY = "kvlab_gateway_endpoint_healthy"  # gauge {replica} 1|0
 KVLAB_INDEX_BLOCKS = "kvlab_gateway_index_blocks"         # gauge {replica, index=precise|approximate}
 KVLAB_KV_EVENTS = "kvlab_gateway_kv_events"               # counter {replica} event batches ingested
 KVLAB_KV_EVENT_GAPS = "kvlab_gateway_kv_event_gaps"       # counter {replica, kind=gap|restart}
+KVLAB_KV_EVENTS_STATE = "kvlab_gateway_kv_events_state"   # gauge {replica, state=none|connecting|live|stale} 1|0
 KVLAB_TOKENIZE_SECONDS = "kvlab_gateway_tokenize_seconds"  # histogram
+# old name -> current name: still exposed (same values) for one release, then removed (docs/observability.md)
+KVLAB_DEPRECATED_ALIASES = {"kvlab_kv_transfer_seconds": KVLAB_KV_TRANSFER_SECONDS}

@@ -29,6 +29,7 @@ import msgspec
 import yaml
 
 from kvlab import __version__
+from kvlab.dashboards import rules
 from kvlab.errors import ConfigError
 from kvlab.stack.kind import versions
 from kvlab.topology import Pool, Topology
@@ -491,9 +492,11 @@ def _scrape_job(job: str, component: str, ns: str, interval: str) -> dict:
 
 
 def prometheus_config(cluster: Cluster, interval: str = "2s") -> dict:
-    """Jobs `replicas` and `gateway`, the same job names as the local stack's Prometheus."""
+    """Jobs `replicas` and `gateway`, the same job names as the local stack's Prometheus, and the
+    lab's rules (kvlab.dashboards.rules, mounted from the same ConfigMap)."""
     ns = cluster.namespace
     return {"global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": ["/etc/prometheus/kvlab.rules.yaml"],
             "scrape_configs": [_scrape_job("replicas", "replica", ns, interval),
                                _scrape_job("gateway", "gateway", ns, interval)]}
 
@@ -501,7 +504,8 @@ def prometheus_config(cluster: Cluster, interval: str = "2s") -> dict:
 def _prometheus(cluster: Cluster) -> list[Manifest]:
     ns, labels = cluster.namespace, _labels("prometheus")
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta("kvlab-prometheus", ns, labels),
-              "data": {"prometheus.yml": yaml.safe_dump(prometheus_config(cluster), sort_keys=False)}}
+              "data": {"prometheus.yml": yaml.safe_dump(prometheus_config(cluster), sort_keys=False),
+                       "kvlab.rules.yaml": rules.render()}}
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta("kvlab-prometheus", ns, labels),
           "automountServiceAccountToken": True}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta("kvlab-prometheus", ns, labels),
