@@ -11,15 +11,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from conftest import FakeHandler, http_server
 from kvlab.telemetry.sink import parse_traces, to_otlp_json
 
 PROBE = r"""
@@ -73,31 +72,18 @@ def http_receiver():
     """An OTLP/HTTP receiver on a free port; POSTs to /stall are answered after 8 s."""
     got = Received()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(FakeHandler):
         def do_POST(self):  # noqa: N802
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             got.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
                                  "body": to_otlp_json(parse_traces(body, self.headers.get("Content-Type", "")))})
             if self.path.startswith("/stall"):
                 time.sleep(8)
-            data = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.reply(200, trace_service_pb2.ExportTraceServiceResponse().SerializeToString(),
+                       "application/x-protobuf")
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", got
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield url, got
 
 
 @pytest.fixture

@@ -4,9 +4,7 @@ the figures and the `kvlab traces` command, on spans made by the real OTel SDK."
 from __future__ import annotations
 
 import json
-import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import FakeHandler, http_server
 from kvlab.errors import KvlabError
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
@@ -182,7 +181,7 @@ def jaeger_url(run_dir: Path):
     by_trace = _resource_spans_by_trace(run_dir / "traces")
     seen: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(FakeHandler):
         def do_GET(self):  # noqa: N802
             seen.append(self.path)
             url = urllib.parse.urlsplit(self.path)
@@ -203,24 +202,10 @@ def jaeger_url(run_dir: Path):
                 status, body = 404, {"error": {"httpCode": 404, "message": "404 page not found"}}
             if status == 200 and "result" in body and not body["result"]["resourceSpans"]:
                 status, body = 404, {"error": {"httpCode": 404, "message": "No traces found"}}
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.reply(status, json.dumps(body).encode())
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield url, seen
 
 
 def test_jaeger_source_reads_the_same_traces_as_the_files(jaeger_url, run_dir: Path):
