@@ -125,7 +125,7 @@ def test_split_unified_and_one_trace(tmp_path, exporter):
     assert 'kvlab_gateway_pd_decisions_total{decision="split",reason="uncached-above-threshold"} 3.0' in m
     assert 'kvlab_gateway_pd_decisions_total{decision="unified",reason="cached-on-decode"} 1.0' in m
     assert 'kvlab_gateway_pd_decisions_total{decision="unified",reason="short-prompt"} 1.0' in m
-    assert "kvlab_kv_transfer_seconds_count 3.0" in m
+    assert "kvlab_gateway_kv_transfer_seconds_count 3.0" in m
 
     spans = [s for s in exporter.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
     by_name: dict[str, list] = {}
