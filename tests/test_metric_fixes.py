@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import FakeHandler, http_server
 from kvlab.gateway.loadview import parse_metrics
 from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.telemetry import names as n
@@ -33,6 +34,18 @@ def test_kv_usage_of_a_multi_engine_replica_is_the_mean():
     assert parsed["waiting"] == 4.0 and parsed["running"] == 6.0      # work adds up
     assert parsed["kv_usage"] == 0.7                                     # fractions average
     assert "kv_usage" not in parse_metrics("")
+
+
+def test_notebook_replica_metrics_average_kv_usage_too():
+    from kvlab.notebook import replica_metrics
+
+    class Replica(FakeHandler):
+        def do_GET(self):  # noqa: N802
+            self.reply(200, TWO_ENGINES.encode(), "text/plain; version=0.0.4")
+
+    with http_server(Replica) as url:
+        values = replica_metrics({"replicas": [{"name": "vllm-0", "url": url}]})["vllm-0"]
+    assert (values["waiting"], values["running"], values["kv_usage"]) == (4.0, 6.0, 0.7)
 
 
 def _families(metrics: GatewayMetrics) -> dict:
