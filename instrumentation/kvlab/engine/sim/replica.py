@@ -70,7 +70,10 @@ class Replica:
         from kvlab.engine.sim.server import Api
 
         self.engine.start()
-        self._runner = web.AppRunner(Api(self).app(), handler_cancellation=True, access_log=None)
+        # a disconnected client cancels its handler (the engine aborts the request, as vLLM does); a
+        # connection without a complete request is closed after 75 s (above the gateway's 60 s keep-alive)
+        self._runner = web.AppRunner(Api(self).app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=75.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=1024)
         await site.start()
