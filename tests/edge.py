@@ -4,21 +4,15 @@ HTTP client that sends exactly the bytes it is given (no client-side validation)
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import free_port, sim_process
-
-KVLAB = [sys.executable, "-m", "kvlab.cli"]
+from kvlab.scenarios import faults
 
 
 @dataclass
@@ -90,44 +84,11 @@ class Stack:
 
 
 @contextmanager
-def gateway_process(endpoints: list[dict], tmp: Path, config: dict | None = None,
-                    policy: str = "kv-aware") -> Iterator[tuple[subprocess.Popen, int]]:
-    """`kvlab gateway` over `endpoints` (a ready JSON's replicas); stopped by its pid."""
-    port = free_port()
-    eps = tmp / "endpoints.json"
-    eps.write_text(json.dumps({"replicas": endpoints}))
-    ready = tmp / "gateway-ready.json"
-    argv = [*KVLAB, "gateway", "--host", "127.0.0.1", "--port", str(port), "--endpoints-file", str(eps),
-            "--policy", policy, "--scrape-interval-ms", "200", "--ready-file", str(ready)]
-    if config:
-        cfg = tmp / "gateway-policy.json"
-        cfg.write_text(json.dumps(config))
-        argv += ["--config", str(cfg)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, f"gateway exited: {proc.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, "gateway did not become ready"
-            time.sleep(0.05)
-        yield proc, port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextmanager
 def sim_and_gateway(*sim_flags: str, config: dict | None = None) -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        with sim_process(tmp, "--host", "127.0.0.1", *sim_flags) as (sim, info):
-            with gateway_process(info["replicas"], tmp, config) as (gw, port):
-                yield Stack(sim, info["replicas"], gw, port)
+    """One simulator process and a kv-aware gateway in front of it (kvlab.scenarios.faults)."""
+    with tempfile.TemporaryDirectory() as d, faults.sim(Path(d), "sim", *sim_flags) as (sim, replicas), \
+            faults.gateway(Path(d), replicas, config) as (gw, url):
+        yield Stack(sim.proc, replicas, gw.proc, int(url.rsplit(":", 1)[1]))
 
 
 def metric(text: str, name: str) -> float:

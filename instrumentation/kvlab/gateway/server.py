@@ -249,7 +249,7 @@ class Gateway:
                 "healthy": r.healthy, "failures": r.failures, "ejections": r.ejections,
                 "last_error": r.last_error, "last_scrape": r.last_scrape,
                 "load": {"waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage,
-                         "inflight": r.inflight},
+                         "inflight": r.inflight, "inflight_tokens": r.inflight_tokens},
                 "block_size": self.router.block_size(r), "num_gpu_blocks": r.num_gpu_blocks,
                 "index": {"used": "precise" if self.router.uses_precise(r) else "approximate",
                           "precise_blocks": self.precise.blocks(r.name),
@@ -423,9 +423,9 @@ class Gateway:
                 r.inflight_tokens += work
                 try:
                     try:
-                        async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
-                            resp = await self.session.post(r.url + path, data=body, headers=out_headers,
-                                                           timeout=self._timeout_stream if stream else self._timeout_unary)
+                        resp = await asyncio.wait_for(self.session.post(
+                            r.url + path, data=body, headers=out_headers,
+                            timeout=self._timeout_stream if stream else self._timeout_unary), self.cfg.timeouts.first_byte_s)
                     except _RETRYABLE as exc:
                         last_error = f"{r.name}: {type(exc).__name__}: {exc}"
                         self.metrics.upstream_errors.labels(r.name, "connect").inc()
