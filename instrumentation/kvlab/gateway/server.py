@@ -255,7 +255,7 @@ class Gateway:
                           "precise_blocks": self.precise.blocks(r.name),
                           "approximate_blocks": self.approx.blocks(r.name)},
                 "events": {"state": r.events_state, "batches": r.events_received,
-                           "gaps": r.events_gaps, "restarts": r.events_restarts},
+                           "gaps": r.events_gaps, "restarts": r.events_restarts, "replayed": r.events_replayed},
                 "routed": r.routed,
             })
         return web.json_response({"policy": self.policy, "replicas": out})
