@@ -110,3 +110,11 @@ def test_black_holed_trace_backend_does_not_touch_serving(tmp_path):
     res = trace_backend_black_hole(tmp_path, requests=200)
     assert res["errors"] == 0, res
     assert res["p50_ms_black_hole"] < 3 * res["p50_ms_no_traces"] + 20, res
+
+
+def test_many_concurrent_streams_through_one_gateway(tmp_path):
+    """200 streams at once here (1,000 in benchmarks/faults.py): no errors, all in flight together."""
+    from kvlab.scenarios.faults import open_streams
+    res = open_streams(tmp_path, streams=200)
+    assert res["errors"] == 0, res
+    assert res["peak_inflight"] >= 150, res
