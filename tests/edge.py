@@ -89,12 +89,3 @@ def sim_and_gateway(*sim_flags: str, config: dict | None = None) -> Iterator[Sta
     with tempfile.TemporaryDirectory() as d, faults.sim(Path(d), "sim", *sim_flags) as (sim, replicas), \
             faults.gateway(Path(d), replicas, config) as (gw, url):
         yield Stack(sim.proc, replicas, gw.proc, int(url.rsplit(":", 1)[1]))
-
-
-def metric(text: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples in an exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from conftest import require
+from kvlab.scenarios.faults import drop_client, scrape
 from kvlab.stack.local import LocalStack
 from kvlab.topology import load_topology
 
@@ -64,13 +65,6 @@ def test_local_stack_with_the_simulator_listens_on_loopback_only(tmp_path):
         assert _exposed(stack) == []
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_local_stack_with_vllm_listens_on_loopback_only_and_aborts_dropped_streams(tmp_path):
@@ -79,25 +73,22 @@ def test_local_stack_with_vllm_listens_on_loopback_only_and_aborts_dropped_strea
         assert _exposed(stack) == []
         assert stack.replicas[0]["kv_events"].startswith("ipc://")
         replica = stack.replicas[0]["url"]
-        port = int(stack.gateway_url.rsplit(":", 1)[1])
-        for read_bytes in (600, 0):   # mid-stream, and before the first byte (a unary request)
-            body = json.dumps({"model": "kvlab-tiny", "prompt": "a long story", "max_tokens": 1500,
-                               "ignore_eos": True, "stream": bool(read_bytes)}).encode()
-            s = socket.create_connection(("127.0.0.1", port), timeout=60)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            got = b""
-            while len(got) < read_bytes:
-                got += s.recv(4096)
+
+        def engine_running() -> None:
             deadline = time.monotonic() + 30
-            while _metric(replica, "vllm:num_requests_running") < 1:
+            while scrape(replica, "vllm:num_requests_running") < 1:
                 assert time.monotonic() < deadline, "vLLM never started the request"
                 time.sleep(0.05)
-            s.close()
+
+        for read_bytes in (600, 0):   # mid-stream, and before the first byte (a unary request)
+            drop_client(stack.gateway_url, {"model": "kvlab-tiny", "prompt": "a long story", "max_tokens": 1500,
+                                            "ignore_eos": True, "stream": bool(read_bytes)}, read_bytes, engine_running)
             t0 = time.monotonic()
-            while _metric(replica, "vllm:num_requests_running") > 0:
+            while scrape(replica, "vllm:num_requests_running") > 0:
                 assert time.monotonic() - t0 < 1.0, "vLLM kept generating for a dropped client"
-                time.sleep(0.05)
+                time.sleep(0.02)
+            print(f"\nvLLM stopped {'mid-stream' if read_bytes else 'before-first-byte'} request "
+                  f"{time.monotonic() - t0:.3f} s after the client dropped")
             with urllib.request.urlopen(stack.gateway_url + "/debug/endpoints", timeout=5) as r:
                 load = json.loads(r.read())["replicas"][0]["load"]
             assert load["inflight"] == 0 and load["inflight_tokens"] == 0

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -229,7 +229,7 @@ def trace_backend_black_hole(run_dir: Path, requests: int = 200) -> dict:
         for label, env in (("no_traces", NO_TRACES),
                            ("down", {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{HOST}:{free_port()}"}),
                            ("black_hole", {"OTEL_EXPORTER_OTLP_ENDPOINT": hole.url})):
-            env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "10"}
+            env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
             with sim(run_dir, f"sim-{label}", "--time-scale", "0.01", env=env) as (_, reps), \
                     gateway(run_dir, reps, env=env) as (g, url):
                 try:
@@ -271,15 +271,17 @@ def open_streams(run_dir: Path, streams: int = 1000, max_tokens: int = 32) -> di
         return asyncio.run(go())
 
 
-def _metric(url: str, name: str) -> float:
+def scrape(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples at `url`/metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name)] in " {")
 
 
-def drop_client(url: str, body: dict, read_bytes: int) -> None:
-    """Send a completion, read `read_bytes` of the answer (0: none, wait 0.5 s), then reset the connection."""
+def drop_client(url: str, body: dict, read_bytes: int, ready: Callable[[], None] | None = None) -> None:
+    """Send a completion, read `read_bytes` of the answer, call `ready` (default: wait 0.5 s when
+    nothing was read, so the engine is working on it), then reset the connection."""
     host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)), timeout=30)
@@ -288,7 +290,9 @@ def drop_client(url: str, body: dict, read_bytes: int) -> None:
     got = b""
     while len(got) < read_bytes:
         got += s.recv(4096)
-    if not read_bytes:
+    if ready is not None:
+        ready()
+    elif not read_bytes:
         time.sleep(0.5)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     s.close()
@@ -307,7 +311,7 @@ def disconnect_abort(run_dir: Path, trials: int = 5) -> dict:
                 drop_client(url, {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
                                   "stream": bool(read_bytes)}, read_bytes)
                 t0 = time.monotonic()
-                while (_metric(reps[0]["url"], "vllm:num_requests_running") > 0
+                while (scrape(reps[0]["url"], "vllm:num_requests_running") > 0
                        or any(r["load"]["inflight"] for r in _get_json(url + "/debug/endpoints")["replicas"])):
                     if time.monotonic() - t0 > 10:
                         break
