@@ -258,14 +258,14 @@ def test_malformed_requests_get_400_json(body, fragment):
     run(go())
 
 
-def test_oversized_request_gets_400_json():
+def test_oversized_request_gets_413_json():
     async def go():
         async with Harness("kv-aware", n=1) as h:
             big = json.dumps({"prompt": "x" * 5000}).encode()
             h.gw.cfg = msgspec.structs.replace(h.gw.cfg, limits=msgspec.structs.replace(h.gw.cfg.limits,
                                                                                       max_body_bytes=1000))
             st, _, out = await h.post("/v1/completions", big)
-            assert st == 400 and "exceeds" in json.loads(out)["error"]["message"]
+            assert st == 413 and "exceeds" in json.loads(out)["error"]["message"]
             st, _, out = await h.post("/v1/completions", {"prompt": 42})
             assert st == 400 and json.loads(out)["error"]["param"] == "prompt"
     run(go())

@@ -40,7 +40,7 @@ def client(rep) -> openai.OpenAI:
 def test_ready_json_follows_the_contract(sim):
     assert [r["name"] for r in sim] == ["sim-0", "sim-1"]
     for r in sim:
-        assert set(r) == {"name", "url", "kv_events", "role", "dp_rank", "replica"}
+        assert set(r) == {"name", "url", "kv_events", "kv_replay", "role", "dp_rank", "replica"}
         assert r["kv_events"].startswith("tcp://127.0.0.1:") and r["role"] == "both"
     assert len({r["url"] for r in sim}) == 2 and len({r["kv_events"] for r in sim}) == 2
 

@@ -135,8 +135,8 @@ def test_ready_json_matches_the_sims_contract(stack):
     reps = stack["replicas"]
     assert [r["name"] for r in reps] == ["vllm-0", "vllm-1"]
     for r in reps:
-        assert set(r) == {"name", "url", "kv_events", "role", "dp_rank", "replica"}
-        assert r["role"] == "both" and r["kv_events"].startswith("tcp://127.0.0.1:")
+        assert set(r) == {"name", "url", "kv_events", "kv_replay", "role", "dp_rank", "replica"}
+        assert r["role"] == "both" and r["kv_events"].startswith("ipc://")   # loopback only
         models = httpx.get(r["url"] + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
 

@@ -4,6 +4,8 @@ CPU pinning, OTLP settings, and decoding the KV-event encoding vLLM 0.32 actuall
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import msgspec
 import pytest
@@ -46,6 +48,14 @@ def test_otlp_settings_follow_otel_env():
                                    "OTEL_TRACES_EXPORTER": "none"}) is None
 
 
+def test_kv_events_stay_local_on_loopback_and_bind_the_wildcard_in_a_pod():
+    assert launcher.kv_endpoints("10.1.2.3", 5557) == ("tcp://*:5557", "tcp://10.1.2.3:5557", None)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        pub, sub, replay = launcher.kv_endpoints(host, 5557)
+        assert pub == sub and pub.startswith("ipc://") and pub.endswith("/kv-5557.sock")
+        assert replay == pub.replace(".sock", "-replay.sock")
+
+
 def test_replica_argv_and_env(tmp_path):
     a = _args("--replicas", "2", "--ports", "8101,8102", "--kv-events-ports", "5601", "--name", "v",
               "--model", "m", "--kv-cache-gib", "1.5", "--max-model-len", "2048", "--cpus", "0|1")
@@ -61,8 +71,11 @@ def test_replica_argv_and_env(tmp_path):
     assert _flag(s0.argv, "--block-size") == "128"
     assert _flag(s0.argv, "--max-model-len") == "2048"
     kv = json.loads(_flag(s0.argv, "--kv-events-config"))
-    assert kv == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5601",
-                  "topic": "kv-events"}
+    ipc = f"ipc://{tempfile.gettempdir()}/kvlab-{os.getuid()}/kv-5601.sock"   # loopback: no network socket
+    replay = ipc.replace(".sock", "-replay.sock")
+    assert kv == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ipc, "topic": "kv-events",
+                  "replay_endpoint": replay}
+    assert s0.kv_events == ipc and s0.kv_replay == replay
     assert s0.kv_port == 5601 and s1.kv_port not in (None, 5601)        # missing ports: free ones
     assert _flag(s0.argv, "--otlp-traces-endpoint") == "http://127.0.0.1:9/v1/traces"
     assert _flag(s0.argv, "--collect-detailed-traces") == "all"

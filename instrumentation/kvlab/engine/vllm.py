@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import ipaddress
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +46,30 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def kv_endpoints(host: str, port: int) -> tuple[str, str, str | None]:
+    """(vLLM's publisher endpoint, the subscriber's, the replay endpoint) for one replica's KV events.
+
+    vLLM's ZmqEventPublisher binds wildcard and ipc endpoints and *connects* to any other, so it
+    cannot bind one interface. Events carry prompt token ids (decodable prompt text): on a loopback
+    host they go over a Unix socket in a per-user 0700 directory, named by `port`, so nothing
+    listens on the network, and so does the replay socket that serves lost batches; on any other
+    host (a pod) the wildcard TCP port, inside that network, without replay.
+    """
+    if not _loopback(host):
+        return f"tcp://*:{port}", f"tcp://{host}:{port}", None
+    d = Path(tempfile.gettempdir()) / f"kvlab-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    ipc = f"ipc://{d}/kv-{port}.sock"
+    return ipc, ipc, f"ipc://{d}/kv-{port}-replay.sock"
 
 
 def cpu_sets(spec: str, replicas: int, available: list[int] | None = None) -> list[str]:
@@ -102,6 +128,8 @@ class ReplicaSpec:
     cpus: str
     argv: list[str]
     env: dict[str, str]
+    kv_events: str | None = None   # where the gateway subscribes to its KV events
+    kv_replay: str | None = None   # where it asks for lost batches (vLLM's replay_endpoint)
 
 
 @dataclass
@@ -158,11 +186,13 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
         if a.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
         kv_port = None if a.no_kv_events else kv[i]
+        kv_events = kv_replay = None
         if kv_port is not None:
-            # vLLM binds only wildcard endpoints (a host:port endpoint is *connected*)
-            argv += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://*:{kv_port}", "topic": KV_TOPIC})]
+            publish, kv_events, kv_replay = kv_endpoints(a.host, kv_port)
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": publish, "topic": KV_TOPIC}
+            if kv_replay:
+                config["replay_endpoint"] = kv_replay
+            argv += ["--kv-events-config", json.dumps(config)]
         renv = dict(env)
         renv.update({
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(a.kv_cache_gib))),
@@ -183,7 +213,7 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
             attrs = renv.get("OTEL_RESOURCE_ATTRIBUTES", "")
             renv["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(x for x in (attrs, f"kvlab.replica={name}") if x)
         argv += a.extra
-        specs.append(ReplicaSpec(name, http[i], kv_port, cpus[i], argv, renv))
+        specs.append(ReplicaSpec(name, http[i], kv_port, cpus[i], argv, renv, kv_events, kv_replay))
     return specs
 
 
@@ -262,7 +292,7 @@ class Launcher:
 
     def endpoints(self) -> list[Endpoint]:
         return [Endpoint(name=r.spec.name, url=self.url(r.spec),
-                         kv_events=f"tcp://{self.host}:{r.spec.kv_port}" if r.spec.kv_port else None)
+                         kv_events=r.spec.kv_events, kv_replay=r.spec.kv_replay)
                 for r in self.running]
 
     def alive(self) -> list[Running]:

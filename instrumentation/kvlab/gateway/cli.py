@@ -106,7 +106,7 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery) ->
 
     tok = PromptTokenizer(Tokenizer(args.tokenizer), cfg.tokenize_cache_entries)
     gw = Gateway(cfg, disc, tok, model=args.model, scrape_interval_ms=args.scrape_interval_ms)
-    runner = web.AppRunner(gw.app(), access_log=None, handle_signals=False)
+    runner = gw.runner()
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024)
     await site.start()

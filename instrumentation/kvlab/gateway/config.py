@@ -45,6 +45,8 @@ class Timeouts(Strict):
     stream_idle_s: float = 60.0           # max gap between two streamed chunks
     total_s: float = 900.0                # whole upstream exchange
     scrape_s: float = 1.0                 # one /metrics scrape
+    client_idle_s: float = 15.0           # a client connection with no complete request (slowloris)
+    client_body_s: float = 30.0           # reading one request body
 
 
 class Health(Strict):

@@ -33,6 +33,7 @@ class Replica:
     events_received: int = 0
     events_gaps: int = 0
     events_restarts: int = 0
+    events_replayed: int = 0            # lost batches recovered from the replay endpoint
     routed: int = 0
 
     @property

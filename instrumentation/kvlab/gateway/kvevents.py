@@ -3,6 +3,9 @@
 States (shown in /debug/endpoints): `connecting` until the first batch, `live`, and `stale`
 after a sequence gap (events were lost, so the replica's precise entries are dropped and the
 router uses the approximate index for it) until `resync_s` of gap-free events have rebuilt it.
+When the replica has a replay endpoint (vLLM's `replay_endpoint`, the simulator's), the lost
+batches are fetched from it first: once they all arrive the gap is closed and the index never
+goes stale.
 A sequence going backwards means the engine restarted with an empty cache: both indexes forget
 that replica. A dead or silent stream never blocks serving: the feed is a background task.
 """
@@ -57,12 +60,20 @@ class EventFeed:
     async def run(self, r: Replica) -> None:
         """Subscribe to `r.endpoint.kv_events` until cancelled."""
         assert r.endpoint.kv_events
-        sub = EventSubscriber(r.endpoint.kv_events)
+        sub = EventSubscriber(r.endpoint.kv_events, replay=r.endpoint.kv_replay)
         r.events_state = "connecting"
         n = 0
         try:
             while True:
                 rec = await sub.recv()
+                if rec.gap and not rec.restarted:
+                    lost = await sub.replay(rec.seq - rec.gap, rec.seq)
+                    if lost is not None:
+                        r.events_replayed += len(lost)
+                        for old in lost:
+                            self.ingest(r, old)
+                        rec.gap = 0
+                        log.info("KV events of %s: %d lost batches replayed", r.name, len(lost))
                 try:
                     self.ingest(r, rec)
                 except Exception as exc:  # a bad batch must not kill the feed

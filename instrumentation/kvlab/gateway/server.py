@@ -24,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
+from kvlab import httpedge
 from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway import dp as dp_view
 from kvlab.gateway.autoscale import Recommender, record_change
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 # Retried on the next replica: the replica never answered, so nothing reached the client.
 _RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
+
+_MAX_TOKEN_ID = 2**31   # no vocabulary is larger; bigger ids would overflow the block hashing
 
 _PASSED_THROUGH = (names.HEADER_REPLICA, names.HEADER_KV_TRANSFER_TOKENS, names.HEADER_KV_TRANSFER_MS)
 
@@ -70,11 +73,6 @@ class _WithUsage(msgspec.Struct):
 
 
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
-
-
-def _json_error(err: RequestError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=msgspec.json.encode(err.to_json()), status=err.status,
-                        content_type="application/json", headers=headers)
 
 
 def _upstream_error(message: str, status: int = 502) -> web.Response:
@@ -132,7 +130,7 @@ class Gateway:
     # ---- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.limits.max_body_bytes,
-                              middlewares=[self._errors_middleware])
+                              middlewares=[httpedge.errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -143,6 +141,13 @@ class Gateway:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+    def runner(self) -> web.AppRunner:
+        """The app with its server settings: a client that goes away cancels its handler, which closes
+        the upstream request (the engine aborts it); a connection that sends no complete request
+        within `client_idle_s` is closed (slowloris)."""
+        return web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                             keepalive_timeout=self.cfg.timeouts.client_idle_s)
 
     async def _startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
@@ -223,17 +228,6 @@ class Gateway:
                    r.events_state)
 
     # ---- small endpoints ---------------------------------------------------------------------
-    @web.middleware
-    async def _errors_middleware(self, request: web.Request, handler):
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            err = RequestError(exc.reason)
-            err.status = 400 if exc.status == 413 else exc.status
-            return _json_error(err)
-
     async def health(self, request: web.Request) -> web.Response:
         healthy = [r.name for r in self.registry.replicas.values() if r.healthy]
         status = 200 if healthy else 503
@@ -257,13 +251,13 @@ class Gateway:
                 "healthy": r.healthy, "failures": r.failures, "ejections": r.ejections,
                 "last_error": r.last_error, "last_scrape": r.last_scrape,
                 "load": {"waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage,
-                         "inflight": r.inflight},
+                         "inflight": r.inflight, "inflight_tokens": r.inflight_tokens},
                 "block_size": self.router.block_size(r), "num_gpu_blocks": r.num_gpu_blocks,
                 "index": {"used": "precise" if self.router.uses_precise(r) else "approximate",
                           "precise_blocks": self.precise.blocks(r.name),
                           "approximate_blocks": self.approx.blocks(r.name)},
                 "events": {"state": r.events_state, "batches": r.events_received,
-                           "gaps": r.events_gaps, "restarts": r.events_restarts},
+                           "gaps": r.events_gaps, "restarts": r.events_restarts, "replayed": r.events_replayed},
                 "routed": r.routed,
             })
         return web.json_response({"policy": self.policy, "replicas": out})
@@ -287,19 +281,8 @@ class Gateway:
         return await self._proxy(request, "text_completion")
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        limit = self.cfg.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise RequestError(f"request body of {request.content_length} bytes exceeds {limit}")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"request body exceeds {limit} bytes") from None
-        try:
-            payload = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise RequestError("request body must be a JSON object")
+        payload = httpedge.decode(await httpedge.read_body(
+            request, self.cfg.limits.max_body_bytes, self.cfg.timeouts.client_body_s))
         if "stream" in payload and not isinstance(payload["stream"], bool | None):
             raise RequestError("`stream` must be a boolean", "stream")
         return payload
@@ -323,7 +306,9 @@ class Gateway:
             return self.tokenizer.encode_text(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            if not all(0 <= t < _MAX_TOKEN_ID for t in prompt):
+                raise RequestError(f"token ids must be between 0 and {_MAX_TOKEN_ID - 1}", "prompt")
             return list(prompt), 0
         raise RequestError("`prompt` must be a string, a list of strings or a list of token ids", "prompt")
 
@@ -359,7 +344,7 @@ class Gateway:
             except RequestError as err:
                 span.set_status(Status(StatusCode.ERROR, err.message))
                 span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, err.status)
-                return _json_error(err, base_headers)
+                return httpedge.json_error(err, base_headers)
             except NoEndpointAvailable as err:
                 span.set_status(Status(StatusCode.ERROR, str(err)))
                 span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 503)
@@ -440,8 +425,9 @@ class Gateway:
                 r.inflight_tokens += work
                 try:
                     try:
-                        resp = await self.session.post(r.url + path, data=body, headers=out_headers,
-                                                       timeout=self._timeout_stream if stream else self._timeout_unary)
+                        resp = await asyncio.wait_for(self.session.post(
+                            r.url + path, data=body, headers=out_headers,
+                            timeout=self._timeout_stream if stream else self._timeout_unary), self.cfg.timeouts.first_byte_s)
                     except _RETRYABLE as exc:
                         last_error = f"{r.name}: {type(exc).__name__}: {exc}"
                         self.metrics.upstream_errors.labels(r.name, "connect").inc()
@@ -450,11 +436,14 @@ class Gateway:
                         up.set_status(Status(StatusCode.ERROR, last_error))
                         continue
                     except asyncio.TimeoutError:
-                        last_error = f"{r.name}: no response within the timeout"
+                        # a hung replica: the closed connection aborts the request there (as vLLM
+                        # does on a disconnect) and nothing reached the client, so the next one is tried
+                        last_error = f"{r.name}: no response headers within {self.cfg.timeouts.first_byte_s:g} s"
                         self.metrics.upstream_errors.labels(r.name, "timeout").inc()
+                        self.registry.failure(r, last_error)
                         up.set_attribute(names.UPSTREAM_ERROR, "timeout")
                         up.set_status(Status(StatusCode.ERROR, last_error))
-                        break   # the replica may be working on it: do not send it twice
+                        continue
                     self.registry.success(r)
                     up.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
                     self.pd.observe_transfer(up, resp.headers)
@@ -465,6 +454,9 @@ class Gateway:
                         if stream and resp.status == 200:
                             return await self._relay_stream(request, span, up, r, resp, client_usage, headers, t_start)
                         return await self._relay_unary(span, up, r, resp, headers)
+                    except asyncio.CancelledError:
+                        resp.close()   # the client went away: dropping the connection aborts the engine's work
+                        raise
                     finally:
                         resp.release()
                 finally:

@@ -181,6 +181,9 @@ class LocalStack:
             ready = self.run_dir / f"ready-{pool.name}.json"
             ready.unlink(missing_ok=True)
             argv = engine_argv(self.topology, pool, name, ready, self.logs)
+            n = pool.replicas * pool.data_parallel_size   # fixed ports: a restarted engine comes back on them
+            argv += ["--ports", ",".join(str(free_port()) for _ in range(n)),
+                     "--kv-events-ports", ",".join(str(free_port()) for _ in range(n))]
             child = Child.start(f"engine-{pool.name}", argv, self.logs / f"engine-{pool.name}.log",
                                 self._env(f"kvlab-{self.topology.engine}"))
             self.children.append(child)
@@ -214,6 +217,25 @@ class LocalStack:
         child.wait_ready_file(ready, self.ready_timeout_s)
         child.wait_http(f"{self.gateway_url}/health", self.ready_timeout_s)
         self.write_state()
+
+    def restart(self, child: Child, restarts: int) -> Child:
+        """Start a dead child again with its argv and environment (engines on their fixed ports, the
+        gateway on the stack's port); a `stack.restart` span records it."""
+        from opentelemetry import trace
+
+        from kvlab.telemetry import names
+
+        if self._span_export is None:
+            self._export_spans()
+        code = child.proc.poll() if child.proc is not None else None
+        with trace.get_tracer("kvlab.stack").start_as_current_span(names.SPAN_STACK_RESTART, attributes={
+                names.STACK_CHILD: child.name, names.STACK_RESTARTS: restarts,
+                names.STACK_EXIT_CODE: -1 if code is None else code}):
+            new = Child.start(child.name, child.argv, child.log, child.env)
+        self.children[self.children.index(child)] = new
+        if child is self.gateway:
+            self.gateway = new
+        return new
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:

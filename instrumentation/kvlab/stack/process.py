@@ -52,9 +52,10 @@ class Child:
     """One supervised process: name, argv, log file, and its Popen (None if adopted by pid)."""
 
     def __init__(self, name: str, argv: list[str], log: Path, proc: subprocess.Popen | None = None,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.log, self.proc = name, [str(a) for a in argv], log, proc
         self.pid = proc.pid if proc is not None else int(pid or 0)
+        self.env = env   # what it was started with, so it can be started again the same way
 
     @classmethod
     def start(cls, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Child:
@@ -62,7 +63,7 @@ class Child:
         with open(log, "ab") as fh:
             proc = subprocess.Popen([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        return cls(name, argv, log, proc)
+        return cls(name, argv, log, proc, env=env)
 
     def alive(self) -> bool:
         if self.proc is not None:

@@ -20,6 +20,7 @@ SPAN_ENGINE_KV_TRANSFER = "engine.kv_transfer"
 SPAN_ENGINE_MOE_DISPATCH = "engine.moe_dispatch"
 SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root span
 SPAN_SCALE_ACTION = "stack.scale"
+SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
 SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
 
 # ---- GenAI semantic conventions ---------------------------------------------------------
@@ -102,6 +103,9 @@ SCALE_DIRECTION = "kvlab.scale.direction"                # up | down
 SCALE_FROM = "kvlab.scale.from_replicas"
 SCALE_TO = "kvlab.scale.to_replicas"
 SCALE_REPLICA = "kvlab.scale.replica"                    # the replica started or stopped
+STACK_CHILD = "kvlab.stack.child"                        # the restarted child (engine-<pool>, gateway, ...)
+STACK_EXIT_CODE = "kvlab.stack.exit_code"                # how the dead child ended
+STACK_RESTARTS = "kvlab.stack.restarts"                  # restarts of that child so far
 SCALE_READY_MS = "kvlab.scale.ready_ms"                  # start -> listening (up) / drain time (down)
 CLIENT_TTFT_MS = "kvlab.client.ttft_ms"
 WORKLOAD = "kvlab.workload"

@@ -1,19 +1,18 @@
 """The request bodies of the OpenAI/vLLM API the simulator accepts, as msgspec structs.
 
-Decoding validates types in one pass: a wrong type becomes a 400 naming the field (`$.max_tokens`).
+Decoding (kvlab.httpedge.decode) validates types in one pass: a wrong type becomes a 400 naming
+the field (`$.max_tokens`).
 Unknown fields are ignored, as OpenAI-compatible servers do, so every client's extras pass.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from kvlab.engine.sim.transfer import KVTransferParams
 from kvlab.errors import RequestError
-
-T = TypeVar("T")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -67,18 +66,6 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]
-
-
-def decode(body: bytes, cls: type[T]) -> T:
-    """Parse a JSON body into `cls`, or raise a RequestError (400) saying what is wrong."""
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except msgspec.ValidationError as exc:
-        msg = str(exc)
-        param = msg.rsplit(" - at `$.", 1)[1].rstrip("`") if " - at `$." in msg else None
-        raise RequestError(f"invalid request: {msg}", param=param) from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:

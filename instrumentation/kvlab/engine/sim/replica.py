@@ -48,7 +48,10 @@ class Replica:
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.started = time.time()
-        self.publisher = EventPublisher(kv_events, bind=True, data_parallel_rank=dp_rank) if kv_events else None
+        # a replay endpoint as vLLM's (same host, a free port): the gateway fetches lost batches there
+        replay = kv_events.rsplit(":", 1)[0] + ":*" if kv_events and kv_events.startswith("tcp://") else None
+        self.publisher = EventPublisher(kv_events, bind=True, data_parallel_rank=dp_rank,
+                                        replay=replay) if kv_events else None
         pool = BlockPool(cfg.num_blocks, cfg.block_size, events=self.publisher is not None)
         scheduler = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, hash_seed=hash_seed)
         self.metrics = ReplicaMetrics(model, cfg.block_size, cfg.num_blocks, engine=str(dp_rank or 0))
@@ -70,7 +73,10 @@ class Replica:
         from kvlab.engine.sim.server import Api
 
         self.engine.start()
-        self._runner = web.AppRunner(Api(self).app(), handler_cancellation=True, access_log=None)
+        # a disconnected client cancels its handler (the engine aborts the request, as vLLM does); a
+        # connection without a complete request is closed after 75 s (above the gateway's 60 s keep-alive)
+        self._runner = web.AppRunner(Api(self).app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=75.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=1024)
         await site.start()
@@ -87,5 +93,6 @@ class Replica:
 
     def endpoint(self) -> Endpoint:
         assert self.url is not None, "replica not started"
-        return Endpoint(name=self.name, url=self.url, kv_events=self.kv_events, role=self.role,
+        return Endpoint(name=self.name, url=self.url, kv_events=self.kv_events,
+                        kv_replay=self.publisher.replay_endpoint if self.publisher else None, role=self.role,
                         dp_rank=self.dp_rank, replica=self.replica_name)

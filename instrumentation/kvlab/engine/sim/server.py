@@ -1,6 +1,7 @@
 """One replica's HTTP API, vLLM's: completions, chat, models, tokenize, metrics, health.
 
-Errors are OpenAI-style JSON (kvlab.errors.RequestError → 400/404), never a bare 500. Every
+Bodies are decoded and errors answered by kvlab.httpedge (vLLM's JSON errors, never a 500 for
+client input); a request whose client disconnects is aborted in the engine, as vLLM does. Every
 response carries `x-kvlab-replica`. Streaming writes pre-built SSE byte strings: one chunk per
 token, several tokens of one step in one write. One SERVER span per generation request with
 queue, prefill and decode children built from the engine's timestamps at the end (no prompt text).
@@ -20,10 +21,12 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.engine.sim.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       _Generation, decode, message_dicts)
+                                       _Generation, message_dicts)
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
+from kvlab.httpedge import decode, read_body
+from kvlab.httpedge import errors as _errors
 from kvlab.telemetry import names
 
 if TYPE_CHECKING:
@@ -37,25 +40,12 @@ _encode = msgspec.json.encode
 _ids = itertools.count()
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+MAX_BODY_BYTES = 64 * 1024 * 1024
 _PULLED = web.RequestKey("kvlab.pulled", Pulled)   # the P/D KV pull of a decode request
 
 
 def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=_encode(data), status=status, content_type="application/json")
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except RequestError as exc:
-        return _json(exc.to_json(), exc.status)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        err = RequestError(exc.reason if exc.status != 404 else f"no route {request.method} {request.path}")
-        err.status, err.type = exc.status, exc.reason.replace(" ", "")
-        return _json(err.to_json(), exc.status)
 
 
 class Api:
@@ -72,7 +62,7 @@ class Api:
         self._model_json = _encode(self.model)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -114,7 +104,7 @@ class Api:
         return web.Response(status=200)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = decode(await request.read(), TokenizeRequest)
+        body = decode(await read_body(request, MAX_BODY_BYTES), TokenizeRequest)
         self._check_model(body.model)
         if body.messages is not None:
             text = self.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
@@ -126,7 +116,7 @@ class Api:
         return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = decode(await request.read(), DetokenizeRequest)
+        body = decode(await read_body(request, MAX_BODY_BYTES), DetokenizeRequest)
         self._check_model(body.model)
         self._check_ids(body.tokens, "tokens")
         return _json({"prompt": self.tokenizer.decode(body.tokens)})
@@ -157,14 +147,14 @@ class Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.time_ns()
-        body = decode(await request.read(), CompletionRequest)
+        body = decode(await read_body(request, MAX_BODY_BYTES), CompletionRequest)
         self._check_model(body.model)
         ids = self._prompt_ids(body.prompt)
         return await self._generate(request, t0, body, ids, body.max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         t0 = time.time_ns()
-        body = decode(await request.read(), ChatRequest)
+        body = decode(await read_body(request, MAX_BODY_BYTES), ChatRequest)
         self._check_model(body.model)
         if not body.messages:
             raise RequestError("`messages` must not be empty", param="messages")

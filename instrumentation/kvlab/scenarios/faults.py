@@ -1,0 +1,355 @@
+"""Fault scenarios against real `kvlab engine sim` and `kvlab gateway` processes, each returning its figures.
+
+Used by tests/test_faults.py (which asserts the properties at a small size) and by
+benchmarks/faults.py (which prints the figures docs/reliability.md quotes). Every process is a
+`Child` started on free loopback ports and stopped by its pid; `run_dir` holds their logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvlab.stack.process import Child
+
+HOST = "127.0.0.1"
+KVLAB = [sys.executable, "-m", "kvlab.cli"]
+NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Child, list[dict]]]:
+    """`kvlab engine sim --name NAME FLAGS` on loopback; yields (child, its replicas from the ready JSON)."""
+    ready = run_dir / f"ready-{name}.json"
+    ready.unlink(missing_ok=True)
+    child = Child.start(name, [*KVLAB, "engine", "sim", "--host", HOST, "--name", name, *flags,
+                               "--ready-file", str(ready)], run_dir / f"{name}.log", {**os.environ, **(env or NO_TRACES)})
+    try:
+        yield child, child.wait_ready_file(ready, 60)["replicas"]
+    finally:
+        child.stop()
+
+
+@contextmanager
+def gateway(run_dir: Path, replicas: list[dict], config: dict | None = None, policy: str = "kv-aware",
+            env: dict[str, str] | None = None) -> Iterator[tuple[Child, str]]:
+    """`kvlab gateway` over `replicas` with an optional policy override; yields (child, its URL)."""
+    port = free_port()
+    eps = run_dir / f"endpoints-{port}.json"
+    eps.write_text(json.dumps({"replicas": replicas}))
+    ready = run_dir / f"ready-gateway-{port}.json"
+    argv = [*KVLAB, "gateway", "--host", HOST, "--port", str(port), "--endpoints-file", str(eps),
+            "--policy", policy, "--scrape-interval-ms", "200", "--ready-file", str(ready)]
+    if config:
+        cfg = run_dir / f"gateway-policy-{port}.json"
+        cfg.write_text(json.dumps(config))
+        argv += ["--config", str(cfg)]
+    child = Child.start("gateway", argv, run_dir / f"gateway-{port}.log", {**os.environ, **(env or NO_TRACES)})
+    try:
+        child.wait_ready_file(ready, 60)
+        url = f"http://{HOST}:{port}"
+        child.wait_http(url + "/health", 30)
+        yield child, url
+    finally:
+        child.stop()
+
+
+class BlackHole:
+    """A TCP server that accepts connections and never answers (a hung replica or trace backend).
+    `requests` counts the connections on which a request line arrived."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((HOST, 0))
+        self.sock.listen(1024)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{HOST}:{self.port}"
+        self.requests: list[bytes] = []
+        self._conns: list[socket.socket] = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        try:
+            first = conn.recv(65536)
+            if first:
+                self.requests.append(first.split(b"\r\n", 1)[0])
+            while conn.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+        for c in self._conns:
+            c.close()
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process in MiB (from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, opened: asyncio.Event | None = None
+                  ) -> dict:
+    """One streaming completion: {ok, status, replica, t_start, t_end, error}."""
+    out: dict[str, Any] = {"t_start": time.monotonic(), "ok": False, "status": 0, "replica": None, "error": None}
+    try:
+        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            out["status"] = resp.status
+            out["replica"] = resp.headers.get("x-kvlab-routed-to")
+            if opened is not None:
+                opened.set()
+            data = await resp.read()
+            out["ok"] = resp.status == 200 and data.rstrip().endswith(b"data: [DONE]") and b'"error"' not in data
+            if not out["ok"]:
+                out["error"] = data[-300:].decode(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["t_end"] = time.monotonic()
+    return out
+
+
+def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) -> dict:
+    """Two replicas (separate processes), `streams` long streams round-robin over them; one replica
+    is SIGKILLed once every stream is open, while new short streams arrive every 50 ms for 3 s."""
+    with sim(run_dir, "sim-a", "--time-scale", "1") as (_, ra), \
+            sim(run_dir, "sim-b", "--time-scale", "1") as (b, rb), \
+            gateway(run_dir, ra + rb, policy="round-robin") as (_, url):
+        async def go() -> dict:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                long = {"prompt": "a long story", "max_tokens": max_tokens, "ignore_eos": True}
+                opened = [asyncio.Event() for _ in range(streams)]
+                tasks = [asyncio.create_task(_stream(s, url, long, e)) for e in opened]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), 30)
+                await asyncio.sleep(0.5)
+                eps = _get_json(url + "/debug/endpoints")["replicas"]
+                on_b = next(r["load"]["inflight"] for r in eps if r["name"] == rb[0]["name"])
+                os.kill(b.pid, signal.SIGKILL)
+                t_kill = time.monotonic()
+                late = []
+                while time.monotonic() - t_kill < 3.0:
+                    late.append(asyncio.create_task(_stream(s, url, {"prompt": "short", "max_tokens": 4})))
+                    await asyncio.sleep(0.05)
+                results = await asyncio.gather(*tasks, *late)
+            after = [r for r in results if r["t_start"] >= t_kill + 1.0]
+            failed = [r for r in results if not r["ok"]]
+            return {"streams": streams, "inflight_on_killed": on_b, "failed": len(failed),
+                    "failed_after_1s": sum(not r["ok"] for r in after), "ok_after_1s": sum(r["ok"] for r in after),
+                    "requests_after_kill": len(late),
+                    "last_failure_after_kill_s": round(max((r["t_end"] - t_kill for r in failed), default=0.0), 3)}
+        return asyncio.run(go())
+
+
+def hung_replica(run_dir: Path, requests: int = 8, first_byte_s: float = 1.0) -> dict:
+    """A replica that accepts and never answers next to a healthy one (round-robin): every request
+    still succeeds, retried after `first_byte_s` when it was sent to the hung one."""
+    hole = BlackHole()
+    try:
+        with sim(run_dir, "sim-ok", "--time-scale", "0.01") as (_, ok):
+            replicas = [{"name": "hung", "url": hole.url}, *ok]
+            config = {"timeouts": {"first_byte_s": first_byte_s, "scrape_s": 0.5},
+                      "health": {"eject_after_failures": 1000}}   # keep sending it some: measure every retry
+            with gateway(run_dir, replicas, config, policy="round-robin") as (_, url):
+                lat, good = [], 0
+                for i in range(requests):
+                    t0 = time.monotonic()
+                    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+                        {"prompt": f"hello {i}", "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+                    try:
+                        with urllib.request.urlopen(req, timeout=30) as r:
+                            good += r.status == 200
+                    except OSError:
+                        pass
+                    lat.append(time.monotonic() - t0)
+        return {"requests": requests, "ok": good, "routed_to_hung": sum(r.startswith(b"POST") for r in hole.requests),
+                "max_latency_s": round(max(lat), 3), "p50_latency_s": round(statistics.median(lat), 3),
+                "first_byte_s": first_byte_s}
+    finally:
+        hole.close()
+
+
+def _p50_ms(url: str, n: int) -> float:
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(
+            {"prompt": f"trace me {i}", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if r.status != 200:
+                raise RuntimeError(f"status {r.status}")
+        lat.append(time.perf_counter() - t0)
+    return statistics.median(lat) * 1000
+
+
+def trace_backend_black_hole(run_dir: Path, requests: int = 200) -> dict:
+    """The same requests with traces off, to a backend that is down (refused), and to one that
+    accepts and never answers: latency p50, errors, the gateway's memory."""
+    hole = BlackHole()
+    out: dict[str, Any] = {"requests": requests, "errors": 0}
+    try:
+        for label, env in (("no_traces", NO_TRACES),
+                           ("down", {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{HOST}:{free_port()}"}),
+                           ("black_hole", {"OTEL_EXPORTER_OTLP_ENDPOINT": hole.url})):
+            env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
+            with sim(run_dir, f"sim-{label}", "--time-scale", "0.01", env=env) as (_, reps), \
+                    gateway(run_dir, reps, env=env) as (g, url):
+                try:
+                    out[f"p50_ms_{label}"] = round(_p50_ms(url, requests), 2)
+                except (OSError, RuntimeError):
+                    out["errors"] += 1
+                out[f"gateway_rss_mb_{label}"] = round(rss_mb(g.pid), 1)
+        out["black_hole_connections"] = len(hole.requests)
+        return out
+    finally:
+        hole.close()
+
+
+def open_streams(run_dir: Path, streams: int = 1000, max_tokens: int = 32) -> dict:
+    """`streams` streaming requests held open at once through one gateway (two replicas in one
+    simulator process): errors, the peak the gateway counted in flight, its memory before/during."""
+    with sim(run_dir, "sim-wide", "--replicas", "2", "--time-scale", "0.5", "--max-num-seqs", "1024",
+             "--num-blocks", "20000") as (_, reps), gateway(run_dir, reps) as (g, url):
+        rss0 = rss_mb(g.pid)
+
+        async def go() -> dict:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=600)) as s:
+                opened = [asyncio.Event() for _ in range(streams)]
+                t0 = time.monotonic()
+                tasks = [asyncio.create_task(_stream(s, url, {"prompt": f"stream {i} of many", "max_tokens": max_tokens,
+                                                              "ignore_eos": True}, opened[i])) for i in range(streams)]
+                peak, rss_peak = 0, rss0
+                while not all(t.done() for t in tasks):
+                    eps = await asyncio.to_thread(_get_json, url + "/debug/endpoints")
+                    peak = max(peak, sum(r["load"]["inflight"] for r in eps["replicas"]))
+                    rss_peak = max(rss_peak, rss_mb(g.pid))
+                    await asyncio.sleep(0.1)
+                results = [t.result() for t in tasks]
+                return {"streams": streams, "errors": sum(not r["ok"] for r in results), "peak_inflight": peak,
+                        "gateway_rss_mb_idle": round(rss0, 1), "gateway_rss_mb_peak": round(rss_peak, 1),
+                        "wall_s": round(time.monotonic() - t0, 1),
+                        "sample_error": next((r["error"] for r in results if not r["ok"]), None)}
+        return asyncio.run(go())
+
+
+def scrape(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples at `url`/metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+def drop_client(url: str, body: dict, read_bytes: int, ready: Callable[[], None] | None = None) -> None:
+    """Send a completion, read `read_bytes` of the answer, call `ready` (default: wait 0.5 s when
+    nothing was read, so the engine is working on it), then reset the connection."""
+    host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    while len(got) < read_bytes:
+        got += s.recv(4096)
+    if ready is not None:
+        ready()
+    elif not read_bytes:
+        time.sleep(0.5)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+
+
+def disconnect_abort(run_dir: Path, trials: int = 5) -> dict:
+    """Clients that drop a long generation through the gateway, mid-stream and before the first
+    byte: the slowest time until the engine's `vllm:num_requests_running` and the gateway's
+    in-flight count were both 0 again."""
+    with sim(run_dir, "sim", "--time-scale", "1", "--max-model-len", "4096") as (_, reps), \
+            gateway(run_dir, reps) as (_, url):
+        out: dict[str, Any] = {"trials": trials}
+        for mode, read_bytes in (("mid_stream", 600), ("before_first_byte", 0)):
+            worst = 0.0
+            for _ in range(trials):
+                drop_client(url, {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
+                                  "stream": bool(read_bytes)}, read_bytes)
+                t0 = time.monotonic()
+                while (scrape(reps[0]["url"], "vllm:num_requests_running") > 0
+                       or any(r["load"]["inflight"] for r in _get_json(url + "/debug/endpoints")["replicas"])):
+                    if time.monotonic() - t0 > 10:
+                        break
+                    time.sleep(0.01)
+                worst = max(worst, time.monotonic() - t0)
+            out[f"{mode}_abort_s_max"] = round(worst, 3)
+        return out
+
+
+def slowloris(run_dir: Path, connections: int = 200, idle_s: float = 2.0) -> dict:
+    """`connections` clients that trickle header lines and never finish a request, with the gateway's
+    client_idle_s at `idle_s`: when the last was cut off, and whether a normal request was served
+    meanwhile."""
+    with sim(run_dir, "sim", "--time-scale", "0.01") as (_, reps), \
+            gateway(run_dir, reps, {"timeouts": {"client_idle_s": idle_s}}) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        socks = []
+        t0 = time.monotonic()
+        for _ in range(connections):
+            s = socket.create_connection((HOST, port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            s.setblocking(False)
+            socks.append(s)
+        served = _p50_ms(url, 5)
+        open_ = set(range(connections))
+        while open_ and time.monotonic() - t0 < idle_s * 5:
+            for i in list(open_):
+                try:
+                    socks[i].send(b"X-Slow: 1\r\n")
+                    if socks[i].recv(1) == b"":
+                        open_.discard(i)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    open_.discard(i)
+            time.sleep(0.2)
+        cut = time.monotonic() - t0
+        for s in socks:
+            s.close()
+        return {"connections": connections, "client_idle_s": idle_s, "still_open": len(open_),
+                "all_cut_after_s": round(cut, 2), "p50_ms_meanwhile": round(served, 2)}
