@@ -3,8 +3,10 @@
 No model can be downloaded here, so kvlab builds one: random weights (seeded, so the same flags
 give the same files), kvlab's own tokenizer and chat template copied in. Its outputs are
 gibberish, but the compute, KV cache, prefix caching, metrics and KV events in vLLM are real.
-The default size makes a 2,000-token prefill take about half a second on one CPU core, so a
-prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
+The default size makes a 2,000-token prefill take one to two seconds on one CPU core, AVX2 or
+AVX-512, so a prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
+The dtype follows the CPU (`kvlab.doctor.choose_dtype`): bfloat16 only where vLLM has a fast bf16
+path (AVX512-BF16, AMX), float32 elsewhere.
 
 Two tweaks keep a random model well behaved: the residual stream carries a constant in
 dimension 0 and the output rows of the special tokens (end-of-turn among them) read it with a
@@ -25,19 +27,30 @@ from pathlib import Path
 import msgspec
 
 from kvlab import tokenizer as kvtok
+from kvlab.doctor import DTYPES, choose_dtype, detect_isa
 
 
 class TinySpec(msgspec.Struct, frozen=True, kw_only=True):
     """The model's shape; everything else follows from it and kvlab's tokenizer."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 2048
+    hidden_size: int = 512
+    intermediate_size: int = 1536
     num_layers: int = 8
-    num_heads: int = 12
+    num_heads: int = 8
     num_kv_heads: int = 4
     max_position_embeddings: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "float32"       # fast everywhere; `tiny_spec()` picks bfloat16 where the CPU has it
     seed: int = 0
+
+
+def resolve_dtype(requested: str = "auto") -> str:
+    """`auto`: the dtype this CPU runs fast in vLLM (kvlab.doctor); anything else as given."""
+    return requested if requested != "auto" else choose_dtype(detect_isa())[0]
+
+
+def tiny_spec(dtype: str = "auto") -> TinySpec:
+    """The default shape in the dtype for this machine (or the one asked for)."""
+    return TinySpec(dtype=resolve_dtype(dtype))
 
 
 SPEC_FILE = "kvlab_model.json"   # the spec a directory was built from (reuse check)
@@ -113,7 +126,8 @@ def main(argv: list[str]) -> int:
     t.add_argument("--heads", type=int, default=d.num_heads)
     t.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
     t.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
-    t.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=d.dtype)
+    t.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: bfloat16 with AVX512-BF16/AMX, else float32 (`kvlab doctor`)")
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: kvlab's own)")
     a = p.parse_args(argv)
@@ -124,8 +138,8 @@ def main(argv: list[str]) -> int:
         return 1
     spec = TinySpec(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=a.layers,
                     num_heads=a.heads, num_kv_heads=a.kv_heads,
-                    max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
+                    max_position_embeddings=a.max_position_embeddings, dtype=resolve_dtype(a.dtype), seed=a.seed)
     start = time.perf_counter()
     out = build_tiny(a.out, spec, a.tokenizer)
-    print(f"tiny model written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(f"tiny model ({spec.dtype}) written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
