@@ -70,13 +70,14 @@ def test_missing_cpuinfo_means_no_level(tmp_path):
 
 def test_model_and_launcher_follow_the_isa(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_ISA", "avx2")
-    assert model.tiny_spec().dtype == "float32"
+    assert (model.tiny_spec().dtype, model.tiny_spec().hidden_size) == ("float32", 512)
     a = launcher.parser().parse_args([])
     a.extra = []
     argv = launcher.build_specs(a, tmp_path, {})[0].argv
     assert argv[argv.index("--dtype") + 1] == "float32"
     monkeypatch.setenv("KVLAB_ISA", "avx512_bf16")
-    assert model.tiny_spec().dtype == "bfloat16"
+    assert (model.tiny_spec().dtype, model.tiny_spec().hidden_size) == ("bfloat16", 768)   # cpu-tiny's shape
+    assert model.tiny_spec("float32", num_layers=6).num_layers == 6
     argv = launcher.build_specs(a, tmp_path, {})[0].argv
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
     a = launcher.parser().parse_args(["--dtype", "float32"])

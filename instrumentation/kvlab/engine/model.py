@@ -39,7 +39,7 @@ class TinySpec(msgspec.Struct, frozen=True, kw_only=True):
     num_heads: int = 8
     num_kv_heads: int = 4
     max_position_embeddings: int = 8192
-    dtype: str = "float32"       # fast everywhere; `tiny_spec()` picks bfloat16 where the CPU has it
+    dtype: str = "float32"       # fast everywhere; `tiny_spec()` picks bfloat16 (and its shape) where fast
     seed: int = 0
 
 
@@ -48,9 +48,20 @@ def resolve_dtype(requested: str = "auto") -> str:
     return requested if requested != "auto" else choose_dtype(detect_isa())[0]
 
 
-def tiny_spec(dtype: str = "auto") -> TinySpec:
-    """The default shape in the dtype for this machine (or the one asked for)."""
-    return TinySpec(dtype=resolve_dtype(dtype))
+# Per dtype, a shape that prefills ~1,000-1,500 tokens/s on one core of the CPUs that pick that dtype:
+# bfloat16 (AVX512-BF16/AMX) keeps the shape the `cpu-tiny` profile was fitted on; float32 (AVX2)
+# is ~1.8x cheaper per token (docs/vllm.md has the measurements and the reasoning).
+SHAPES: dict[str, dict[str, int]] = {
+    "bfloat16": {"hidden_size": 768, "intermediate_size": 2048, "num_heads": 12},
+    "float32": {},
+}
+
+
+def tiny_spec(dtype: str = "auto", **shape: int) -> TinySpec:
+    """The default shape for the dtype this machine runs fast (or the one asked for); `shape`
+    overrides fields."""
+    resolved = resolve_dtype(dtype)
+    return TinySpec(**{**SHAPES.get(resolved, {}), **shape, "dtype": resolved})
 
 
 SPEC_FILE = "kvlab_model.json"   # the spec a directory was built from (reuse check)
@@ -118,27 +129,22 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvlab model", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("tiny", help="build the tiny random-weight Llama model into --out")
-    d = TinySpec()
     t.add_argument("--out", required=True, help="directory to write (created)")
-    t.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    t.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
-    t.add_argument("--layers", type=int, default=d.num_layers)
-    t.add_argument("--heads", type=int, default=d.num_heads)
-    t.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
-    t.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
+    flags = {"hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size", "num_layers": "--layers",
+             "num_heads": "--heads", "num_kv_heads": "--kv-heads",
+             "max_position_embeddings": "--max-position-embeddings", "seed": "--seed"}
+    for field, flag in flags.items():
+        t.add_argument(flag, dest=field, type=int, help="default: the dtype's shape (docs/vllm.md)")
     t.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 with AVX512-BF16/AMX, else float32 (`kvlab doctor`)")
-    t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: kvlab's own)")
     a = p.parse_args(argv)
-    if a.hidden_size % a.heads or a.heads % a.kv_heads:
+    spec = tiny_spec(a.dtype, **{f: getattr(a, f) for f in flags if getattr(a, f) is not None})
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         print("kvlab model: needs torch and transformers: `make vllm` (see docs/vllm.md)", file=sys.stderr)
         return 1
-    spec = TinySpec(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=a.layers,
-                    num_heads=a.heads, num_kv_heads=a.kv_heads,
-                    max_position_embeddings=a.max_position_embeddings, dtype=resolve_dtype(a.dtype), seed=a.seed)
     start = time.perf_counter()
     out = build_tiny(a.out, spec, a.tokenizer)
     print(f"tiny model ({spec.dtype}) written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
