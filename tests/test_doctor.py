@@ -119,3 +119,15 @@ def test_table_and_bad_level():
     assert out.returncode == 0 and "the lab will use" in out.stdout and "float32" in out.stdout
     bad = _doctor(env={"KVLAB_ISA": "sse9"})
     assert bad.returncode == 2 and "KVLAB_ISA=sse9" in bad.stderr
+
+
+def test_preflight_stops_a_vllm_lab_without_vllm(monkeypatch):
+    from rich.console import Console
+
+    parts = doctor.find_parts()
+    monkeypatch.setattr(doctor, "find_parts", lambda: {**parts, "vllm": doctor.Part(installed=False)})
+    console = Console(record=True, width=200)
+    report = doctor.preflight(console, "sim")             # the simulator needs no vLLM
+    assert report.choices.engine == "sim" and "no vLLM" in console.export_text()
+    with pytest.raises(doctor.ConfigError, match="make vllm"):
+        doctor.preflight(console, "vllm")

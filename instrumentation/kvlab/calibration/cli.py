@@ -42,7 +42,8 @@ TOLERANCE = 0.25
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab calibrate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"{QUICK['reps']} repeats instead of {FULL['reps']} (~4 min on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK['reps']} repeats instead of {FULL['reps']} (~2-5 min on 2 cores)")
     p.add_argument("--name", default="local", help="the profile's name (written to $KVLAB_HOME/profiles/NAME.yaml)")
     p.add_argument("--lengths", help=f"prompt lengths (default {FULL['lengths']})")
     p.add_argument("--fractions", help=f"cached fractions (default {FULL['fractions']})")
@@ -184,7 +185,8 @@ def calibrate(a: argparse.Namespace, console: Console) -> dict[str, Any]:
               "fitted": values, "fit_pass": fitm, "compare": cmp, "wall_s": round(time.monotonic() - t0, 1)}
     result["errors"] = c = compare(grid, result)
     (run_dir / "calibration.md").write_text(markdown(c))
-    figure(c, run_dir / "calibration.html", f"kvlab's tiny model ({dtype}): real vLLM (CPU, 1 core) vs profile {a.name}")
+    figure(c, run_dir / "calibration.html",
+           f"kvlab's tiny model ({dtype}): real vLLM (CPU, 1 core) vs profile {a.name}")
     write_json(run_dir / "results.json", result)
     console.print(rich_table(c))
     console.print(markdown(c).splitlines()[-1])

@@ -75,7 +75,8 @@ def slow_part(records: list[dict[str, Any]], elapsed_s: float) -> str:
     ttft = float(np.median([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None] or [0.0]))
     decode = float(np.median([r["e2e_ms"] - (r.get("ttft_ms") or 0.0) for r in ok]))
     part = "prefill (time to first token)" if ttft >= decode else "generation (tokens after the first)"
-    return f"the engine's {part} is the slow part: TTFT p50 {ttft / 1000:.1f} s, rest of a reply p50 {decode / 1000:.1f} s"
+    return (f"the engine's {part} is the slow part: TTFT p50 {ttft / 1000:.1f} s, "
+            f"rest of a reply p50 {decode / 1000:.1f} s")
 
 
 def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefix",
