@@ -28,7 +28,8 @@ from rich.table import Table
 
 from kvlab.calibration.fit import fit
 from kvlab.calibration.measure import Grid, medians, spread, start_engine
-from kvlab.doctor import choose_dtype, detect_isa
+from kvlab.doctor import DTYPES, detect_isa
+from kvlab.engine.model import resolve_dtype
 from kvlab.engine.sim.profile import LatencyProfile, write_user_profile
 from kvlab.errors import KvlabError
 from kvlab.lifecycle import terminate
@@ -49,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", help=f"cached fractions (default {FULL['fractions']})")
     p.add_argument("--batches", help=f"decode batch sizes (default {FULL['batches']}; quick {QUICK['batches']})")
     p.add_argument("--reps", type=int, help=f"repeats per point, medians reported (default {FULL['reps']})")
-    p.add_argument("--dtype", default="auto", help="the tiny model's dtype (auto: as `kvlab doctor` chooses)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the tiny model's dtype (auto: as `kvlab doctor` chooses)")
     p.add_argument("--cpus", default="0", help="CPU set of the vLLM replica (kvlab engine vllm --cpus)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", help="where to write results (default: a new runs/<id>-calibrate)")
@@ -148,7 +150,7 @@ def figure(c: dict[str, Any], path: Path, title: str) -> Path:
 
 def calibrate(a: argparse.Namespace, console: Console) -> dict[str, Any]:
     grid, reps = _grid(a)
-    dtype = choose_dtype(detect_isa(), a.dtype)[0] if a.dtype == "auto" else a.dtype
+    dtype = resolve_dtype(a.dtype)
     run_dir = Path(a.run_dir).absolute() if a.run_dir else new_run_dir("calibrate")
     run_dir.mkdir(parents=True, exist_ok=True)
     common = ["--max-model-len", str(max(grid.lengths) + 256), "--max-num-seqs", "128",
