@@ -31,7 +31,7 @@ import msgspec
 
 from kvlab.doctor import DTYPES
 from kvlab.engine.flags import add_common, port_list
-from kvlab.engine.model import TinySpec, resolve_dtype
+from kvlab.engine.model import TinySpec, ensure_tiny, resolve_dtype, tiny_spec
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.lifecycle import announce_ready
@@ -348,8 +348,6 @@ def main(argv: list[str]) -> int:
             if not (model_dir / "config.json").is_file():
                 raise ConfigError(f"--model-dir {model_dir}: no config.json (build one with `kvlab model tiny`)")
         else:
-            from kvlab.engine.model import ensure_tiny, tiny_spec
-
             spec = tiny_spec(a.dtype)
             model_dir = ensure_tiny(default_model_dir(a.tokenizer, spec), spec, a.tokenizer)
         specs = build_specs(a, model_dir.absolute(), dict(os.environ))
