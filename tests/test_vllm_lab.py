@@ -34,14 +34,18 @@ def test_topology_block_cap_reaches_the_vllm_servers(tmp_path):
     argv = engine_argv(topology, topology.pools[0], "vllm", tmp_path / "ready.json", tmp_path)
     assert argv[:len(KVLAB) + 2] == [*KVLAB, "engine", "vllm"]
     assert _flag(argv, "--num-blocks") == "64" and _flag(argv, "--block-size") == "128"
-    # what the launcher makes of that argv: every vLLM server gets the cap
-    a = launcher.parser().parse_args(argv[len(KVLAB) + 2:])
-    a.extra = []
+    # what the launcher makes of that argv: every vLLM server gets the cap, and a 512-token step
+    # budget so a cache hit waits for at most a quarter of a cold prefill (docs/vllm.md)
+    flags = argv[len(KVLAB) + 2:]
+    a = launcher.parser().parse_args(flags[:flags.index("--")])
+    a.extra = flags[flags.index("--") + 1:]
     specs = launcher.build_specs(a, tmp_path, {})
     assert len(specs) == 2
     for spec in specs:
         assert _flag(spec.argv, "--num-gpu-blocks-override") == "64"
         assert _flag(spec.argv, "--max-model-len") == "4096"
+        assert _flag(spec.argv, "--max-num-batched-tokens") == "512"
+    assert topology.sim.max_num_batched_tokens == 512      # `--engine sim` runs the same shape
 
 
 def test_no_cap_by_default(tmp_path):

@@ -12,6 +12,7 @@ import sys
 
 # name -> (module, one-line help). Keep in the order a learner meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("kvlab.doctor", "what this machine has (CPU ISA, cores, optional parts) and what the lab picks"),
     "lab": ("kvlab.lab", "run the before/after lab: cache-blind vs KV-aware (what `make lab` runs)"),
     "up": ("kvlab.stack.cli", "start a local stack (replicas, gateway, telemetry) from a topology"),
     "status": ("kvlab.stack.cli", "show the local stack's processes and health"),
@@ -20,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("kvlab.engine.cli", "run a model server: `engine sim` or `engine vllm`"),
     "gateway": ("kvlab.gateway.cli", "run the instrumented KV-aware gateway"),
     "model": ("kvlab.engine.model", "build a tiny local model for real vLLM on CPU"),
+    "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),
     "traces": ("kvlab.traces.cli", "list, show and explain traces of a run"),
     "dashboards": ("kvlab.dashboards", "write the Grafana dashboards to dashboards/"),
     "cluster": ("kvlab.stack.kind", "the kind cluster path: create, deploy, status, forward"),

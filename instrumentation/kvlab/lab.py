@@ -26,7 +26,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvlab.errors import KvlabError
+from kvlab.doctor import preflight
+from kvlab.errors import KvlabError, StackError
 from kvlab.load.runner import run_bench
 from kvlab.load.summary import read_jsonl
 from kvlab.load.table import metric_value, summary_table
@@ -41,6 +42,7 @@ from kvlab.topology import Topology, load_topology
 DEFAULT_POLICIES = "round-robin,kv-aware"
 FULL = {"duration": 60.0, "users": 12}
 QUICK = {"duration": 25.0, "users": 8}
+MIN_REQUESTS = 30   # a phase runs until its duration *and* this many completed requests (or its limit)
 DEFAULT_TOPOLOGY = {"sim": "quickstart", "vllm": "vllm"}   # by --engine, when no --topology is given
 # workload parameters a shipped topology's KV capacity is sized for (--workload-params override them)
 TOPOLOGY_WORKLOAD_PARAMS = {"vllm": {"shared-prefix": {"groups": 6}}}
@@ -59,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one phase each")
     p.add_argument("--quick", action="store_true", help="short phases (the CI check; ~1 minute in all)")
+    p.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
+                   help="a phase also runs until this many requests completed (0: duration only)")
+    p.add_argument("--phase-limit", type=float, help="seconds a phase may take to reach --min-requests before "
+                                                     "the lab fails (default 4 × the duration)")
     p.add_argument("--run-dir", help="where to write (default: a new runs/<id>)")
     p.add_argument("--cluster", action="store_true", help="no local stack: the kind cluster's baseline Service, "
                                                           "then its gateway (docs/kind.md)")
@@ -113,7 +119,8 @@ Prepare = Callable[[str], str]   # phase name -> the URL Locust targets, once th
 
 def run_phases(console: Console, run_dir: Path, phases: list[tuple[str, str]], prepare: Prepare, *,
                workload: str, params: dict[str, Any], users: int, duration: float, seed: int, model: str,
-               otlp_endpoint: str | None, waiting: str) -> dict[str, dict[str, Any]]:
+               otlp_endpoint: str | None, waiting: str, min_requests: int = 0,
+               limit_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Run each (name, policy) phase after `prepare` reset the caches and returned its target:
     runs/<id>/phase-N-<name>/; {name: {"summary", "records"}} in run order (what the report takes)."""
     out: dict[str, dict[str, Any]] = {}
@@ -129,7 +136,8 @@ def run_phases(console: Console, run_dir: Path, phases: list[tuple[str, str]], p
             phase_dir = run_dir / f"phase-{n}-{name}"
             summary = run_bench(target, phase_dir, workload=workload, params=params, users=users,
                                 duration_s=duration, seed=seed, model=model, phase=name, policy=policy,
-                                otlp_endpoint=otlp_endpoint, progress=update)
+                                otlp_endpoint=otlp_endpoint, progress=update, min_requests=min_requests,
+                                limit_s=limit_s)
             progress.update(task, completed=duration)
             out[name] = {"summary": summary, "records": read_jsonl(phase_dir / "requests.jsonl")}
     return out
@@ -161,6 +169,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
 
         return run_autoscale(args, topology, console, policies[0] if args.policies != DEFAULT_POLICIES
                              else topology.gateway.policy)
+    doctor = preflight(console, topology.engine)
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · workload {workload.name} "
@@ -182,15 +191,23 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
             stack.start_gateway(policy)
             return stack.gateway_url
 
-        phases = run_phases(console, run_dir, [(p, p) for p in policies], prepare, workload=workload.name,
-                            params=params, users=users, duration=duration, seed=args.seed, model=topology.model,
-                            otlp_endpoint=stack.otlp_endpoint, waiting="starting gateway...")
+        try:
+            phases = run_phases(console, run_dir, [(p, p) for p in policies], prepare, workload=workload.name,
+                                params=params, users=users, duration=duration, seed=args.seed,
+                                model=topology.model, otlp_endpoint=stack.otlp_endpoint,
+                                waiting="starting gateway...", min_requests=args.min_requests,
+                                limit_s=args.phase_limit)
+        except StackError as exc:
+            advice = "".join(f"\n  doctor: {a}" for a in doctor.advice)
+            raise StackError(f"{exc}; {topology.engine} replica logs in {stack.logs}{advice}") from None
         stack.stop_gateway()
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
         "workload": workload.describe(), "users": users, "duration_s": duration, "quick": args.quick,
-        "policies": policies, "wall_s": round(time.monotonic() - started, 1),
+        "policies": policies, "wall_s": round(time.monotonic() - started, 1), "min_requests": args.min_requests,
+        "machine": {"isa": doctor.cpu.isa.level, "isa_source": doctor.cpu.isa.source, "cores": doctor.cpu.cores,
+                    "dtype": doctor.choices.dtype if topology.engine == "vllm" else None},
     }
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": workload.name, "seed": args.seed, "users": users, "seconds per phase": duration}
@@ -236,7 +253,8 @@ def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float,
 
     phases = run_phases(console, run_dir, plan, prepare, workload=workload.name, params=params, users=users,
                         duration=duration, seed=args.seed, model=topology.model, otlp_endpoint=None,
-                        waiting="resetting prefix caches...")
+                        waiting="resetting prefix caches...", min_requests=args.min_requests,
+                        limit_s=args.phase_limit)
     answered = {r["policy"] for r in phases[plan[1][0]]["records"] if r.get("policy")} - {policy}
     if answered:
         console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "

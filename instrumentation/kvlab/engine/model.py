@@ -3,8 +3,10 @@
 No model can be downloaded here, so kvlab builds one: random weights (seeded, so the same flags
 give the same files), kvlab's own tokenizer and chat template copied in. Its outputs are
 gibberish, but the compute, KV cache, prefix caching, metrics and KV events in vLLM are real.
-The default size makes a 2,000-token prefill take about half a second on one CPU core, so a
-prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
+The default size makes a 2,000-token prefill take one to two seconds on one CPU core, AVX2 or
+AVX-512, so a prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
+The dtype follows the CPU (`kvlab.doctor.choose_dtype`): bfloat16 only where vLLM has a fast bf16
+path (AVX512-BF16, AMX), float32 elsewhere.
 
 Two tweaks keep a random model well behaved: the residual stream carries a constant in
 dimension 0 and the output rows of the special tokens (end-of-turn among them) read it with a
@@ -25,19 +27,41 @@ from pathlib import Path
 import msgspec
 
 from kvlab import tokenizer as kvtok
+from kvlab.doctor import DTYPES, choose_dtype, detect_isa
 
 
 class TinySpec(msgspec.Struct, frozen=True, kw_only=True):
     """The model's shape; everything else follows from it and kvlab's tokenizer."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 2048
+    hidden_size: int = 512
+    intermediate_size: int = 1536
     num_layers: int = 8
-    num_heads: int = 12
+    num_heads: int = 8
     num_kv_heads: int = 4
     max_position_embeddings: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "float32"       # fast everywhere; `tiny_spec()` picks bfloat16 (and its shape) where fast
     seed: int = 0
+
+
+def resolve_dtype(requested: str = "auto") -> str:
+    """`auto`: the dtype this CPU runs fast in vLLM (kvlab.doctor); anything else as given."""
+    return requested if requested != "auto" else choose_dtype(detect_isa())[0]
+
+
+# Per dtype, a shape that prefills ~1,000-1,500 tokens/s on one core of the CPUs that pick that dtype:
+# bfloat16 (AVX512-BF16/AMX) keeps the shape the `cpu-tiny` profile was fitted on; float32 (AVX2)
+# is ~1.8x cheaper per token (docs/vllm.md has the measurements and the reasoning).
+SHAPES: dict[str, dict[str, int]] = {
+    "bfloat16": {"hidden_size": 768, "intermediate_size": 2048, "num_heads": 12},
+    "float32": {},
+}
+
+
+def tiny_spec(dtype: str = "auto", **shape: int) -> TinySpec:
+    """The default shape for the dtype this machine runs fast (or the one asked for); `shape`
+    overrides fields."""
+    resolved = resolve_dtype(dtype)
+    return TinySpec(**{**SHAPES.get(resolved, {}), **shape, "dtype": resolved})
 
 
 SPEC_FILE = "kvlab_model.json"   # the spec a directory was built from (reuse check)
@@ -105,27 +129,23 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvlab model", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("tiny", help="build the tiny random-weight Llama model into --out")
-    d = TinySpec()
     t.add_argument("--out", required=True, help="directory to write (created)")
-    t.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    t.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
-    t.add_argument("--layers", type=int, default=d.num_layers)
-    t.add_argument("--heads", type=int, default=d.num_heads)
-    t.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
-    t.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
-    t.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=d.dtype)
-    t.add_argument("--seed", type=int, default=d.seed)
+    flags = {"hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size", "num_layers": "--layers",
+             "num_heads": "--heads", "num_kv_heads": "--kv-heads",
+             "max_position_embeddings": "--max-position-embeddings", "seed": "--seed"}
+    for field, flag in flags.items():
+        t.add_argument(flag, dest=field, type=int, help="default: the dtype's shape (docs/vllm.md)")
+    t.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: bfloat16 with AVX512-BF16/AMX, else float32 (`kvlab doctor`)")
     t.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: kvlab's own)")
     a = p.parse_args(argv)
-    if a.hidden_size % a.heads or a.heads % a.kv_heads:
+    spec = tiny_spec(a.dtype, **{f: getattr(a, f) for f in flags if getattr(a, f) is not None})
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         print("kvlab model: needs torch and transformers: `make vllm` (see docs/vllm.md)", file=sys.stderr)
         return 1
-    spec = TinySpec(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_layers=a.layers,
-                    num_heads=a.heads, num_kv_heads=a.kv_heads,
-                    max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
     start = time.perf_counter()
     out = build_tiny(a.out, spec, a.tokenizer)
-    print(f"tiny model written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(f"tiny model ({spec.dtype}) written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

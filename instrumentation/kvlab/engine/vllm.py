@@ -31,7 +31,9 @@ from pathlib import Path
 
 import msgspec
 
+from kvlab.doctor import DTYPES
 from kvlab.engine.flags import add_common, port_list
+from kvlab.engine.model import TinySpec, ensure_tiny, resolve_dtype, tiny_spec
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.lifecycle import announce_ready
@@ -141,14 +143,13 @@ class Running:
     exited: list[int] = field(default_factory=list)
 
 
-def default_model_dir(tokenizer: str | None = None) -> Path:
+def default_model_dir(tokenizer: str | None = None, spec: TinySpec | None = None) -> Path:
     """The tiny model's cache directory under the runs dir, keyed by its spec and tokenizer."""
-    from kvlab.engine.model import TinySpec
     from kvlab.stack.state import runs_dir
     from kvlab.tokenizer import default_dir
 
     tok = Path(tokenizer) if tokenizer else default_dir()
-    h = hashlib.sha256(msgspec.json.encode(TinySpec()) + (tok / "tokenizer.json").read_bytes()
+    h = hashlib.sha256(msgspec.json.encode(spec or TinySpec()) + (tok / "tokenizer.json").read_bytes()
                        + (tok / "tokenizer_config.json").read_bytes()).hexdigest()[:10]
     return runs_dir() / "models" / f"kvlab-tiny-{h}"
 
@@ -176,7 +177,7 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
                 "--host", a.host, "--port", str(http[i]),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--block-size", str(a.block_size), "--max-model-len", str(a.max_model_len),
-                "--seed", str(a.seed), "--disable-uvicorn-access-log"]
+                "--seed", str(a.seed), "--dtype", resolve_dtype(a.dtype), "--disable-uvicorn-access-log"]
         if not a.compile:
             argv.append("--enforce-eager")
         if a.num_blocks:
@@ -337,6 +338,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, help="running requests per step (default: vLLM's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: vLLM's)")
     p.add_argument("--seed", type=int, default=0, help="vLLM's sampling seed")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations: auto = bfloat16 "
+                   "with AVX512-BF16/AMX, else float32 (`kvlab doctor`; KVLAB_ISA forces the decision)")
     p.add_argument("--cpus", default="auto", help="CPU pinning: auto (disjoint sets per replica), nobind, "
                                                    "or sets separated by | (e.g. '0|1')")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (adds 1-2 min "
@@ -375,9 +378,8 @@ def main(argv: list[str]) -> int:
             if not (model_dir / "config.json").is_file():
                 raise ConfigError(f"--model-dir {model_dir}: no config.json (build one with `kvlab model tiny`)")
         else:
-            from kvlab.engine.model import TinySpec, ensure_tiny
-
-            model_dir = ensure_tiny(default_model_dir(a.tokenizer), TinySpec(), a.tokenizer)
+            spec = tiny_spec(a.dtype)
+            model_dir = ensure_tiny(default_model_dir(a.tokenizer, spec), spec, a.tokenizer)
         specs = build_specs(a, model_dir.absolute(), dict(os.environ))
         launcher = Launcher(specs, a.host, Path(a.log_dir) if a.log_dir else None)
         t0 = time.monotonic()

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
 from kvlab.load.ramp import Ramp
@@ -62,15 +64,37 @@ def locust_argv(target: str, out_dir: Path, workload: str, params: dict[str, Any
             "--requests-out", str(out_dir / "requests.jsonl")]
 
 
+def slow_part(records: list[dict[str, Any]], elapsed_s: float) -> str:
+    """Which part of serving kept a phase from completing requests, from the requests that did."""
+    ok = [r for r in records if not r.get("error")]
+    if not ok:
+        errors = [r for r in records if r.get("error")]
+        return (f"every request failed ({errors[0]['error']})" if errors else
+                f"no request finished in {elapsed_s:.0f} s: the engine's prefill and generation are too "
+                "slow here (its log shows prompt and generation throughput)")
+    ttft = float(np.median([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None] or [0.0]))
+    decode = float(np.median([r["e2e_ms"] - (r.get("ttft_ms") or 0.0) for r in ok]))
+    part = "prefill (time to first token)" if ttft >= decode else "generation (tokens after the first)"
+    return (f"the engine's {part} is the slow part: TTFT p50 {ttft / 1000:.1f} s, "
+            f"rest of a reply p50 {decode / 1000:.1f} s")
+
+
 def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = 16, spawn_rate: float | None = None,
               duration_s: float = 30.0, seed: int = 0, model: str = "kvlab-tiny", phase: str = "",
               policy: str = "", otlp_endpoint: str | None = None,
-              progress: Progress | None = None, ramp: Ramp | None = None) -> dict[str, Any]:
+              progress: Progress | None = None, ramp: Ramp | None = None,
+              min_requests: int = 0, limit_s: float | None = None) -> dict[str, Any]:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.log.
-    With `ramp`, users follow it (`users`/`duration_s` are then taken from it)."""
+    With `ramp`, users follow it (`users`/`duration_s` are then taken from it).
+
+    With `min_requests`, the test runs until `duration_s` has passed *and* that many requests
+    completed, for at most `limit_s` (default 4 × duration_s); short of the minimum by then it
+    writes summary.json and raises StackError naming the slow part."""
     if ramp is not None:
         users, duration_s = ramp.peak, ramp.duration_s
+        min_requests = 0
+    limit_s = max(limit_s or 4 * duration_s, duration_s) if min_requests else duration_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "requests.jsonl"
@@ -78,19 +102,24 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
     env = dict(os.environ, OTEL_SERVICE_NAME="kvlab-locust")
     if otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
-    argv = locust_argv(target, out, workload, params, users, spawn_rate or users, duration_s, seed, model,
+    # Locust's own run time is the hard limit; the minimum is checked here, and met, Locust is stopped
+    argv = locust_argv(target, out, workload, params, users, spawn_rate or users, limit_s, seed, model,
                        phase, policy, ramp)
     tail = JsonlTail(jsonl)
     start = time.monotonic()
     with open(out / "locust.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = start + duration_s + 60
+            deadline = start + limit_s + 60
             while proc.poll() is None:
+                elapsed, records = time.monotonic() - start, tail.poll()
                 if time.monotonic() > deadline:
                     raise StackError(f"locust did not finish in time; see {out / 'locust.log'}")
                 if progress:
-                    progress(time.monotonic() - start, tail.poll())
+                    progress(elapsed, records)
+                if min_requests and elapsed >= duration_s and (
+                        elapsed >= limit_s or sum(1 for r in records if not r.get("error")) >= min_requests):
+                    break
                 time.sleep(0.25)
         finally:
             terminate(proc)
@@ -103,6 +132,11 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
     summary = summarize(records) | {
         "phase": phase, "policy": policy, "target": target, "users": users, "seed": seed,
         "workload": workload, "workload_params": params or {}, "configured_duration_s": duration_s,
+        "min_requests": min_requests, "limit_s": limit_s if min_requests else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if min_requests and summary["ok"] < min_requests:
+        raise StackError(f"phase {phase or policy or '?'} completed {summary['ok']} of the {min_requests} requests "
+                         f"it needs within its {limit_s:.0f}-s limit: "
+                         f"{slow_part(records, time.monotonic() - start)}")
     return summary

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.lifecycle import http_ok, terminate
 from kvlab.stack.process import log_tail, runs_command, stop_recorded
@@ -39,6 +40,7 @@ def _run_dir(arg: str | None) -> Path:
 def up(args: argparse.Namespace) -> int:
     topo_path = resolve_topology(args.topology)
     topology = load_topology(topo_path)  # validate before starting anything
+    preflight(console, topology.engine)
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir(topology.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_latest(run_dir)

@@ -87,7 +87,8 @@ class Engine:
             now = loop.time()
             start = next_start if next_start is not None and now - next_start <= JITTER_S else now
             batch = self.schedule_step()
-            target = start + profile.step_ms(batch.prefill_tokens, batch.decode_seqs) * scale
+            target = start + profile.step_ms(batch.prefill_tokens, batch.decode_seqs, batch.prefill_ctx_k,
+                                           len(batch.admitted)) * scale
             delay = target - loop.time()
             # always yield once, so HTTP handlers run between steps even when the loop is late
             await asyncio.sleep(delay if delay > 0 else 0)

@@ -66,9 +66,15 @@ class Batch:
 
     requests: list[Request] = field(default_factory=list)
     prefill_tokens: int = 0
+    prefill_ctx_k: float = 0.0      # sum of the prefill tokens' positions / 1000 (the attention term)
     decode_seqs: int = 0
     admitted: list[Request] = field(default_factory=list)   # first scheduled in this step
     preempted: int = 0
+
+
+def _positions_k(start: int, n: int) -> float:
+    """Sum of the positions start .. start+n-1, in thousands."""
+    return n * (2 * start + n - 1) / 2000
 
 
 class Scheduler:
@@ -168,6 +174,7 @@ class Scheduler:
             batch.decode_seqs += 1
         else:
             batch.prefill_tokens += n
+            batch.prefill_ctx_k += _positions_k(req.num_computed, n)
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         self.running.remove(req)
@@ -177,6 +184,7 @@ class Scheduler:
                 batch.decode_seqs -= 1
             else:
                 batch.prefill_tokens -= req.scheduled
+                batch.prefill_ctx_k -= _positions_k(req.num_computed, req.scheduled)
         self.pool.free(reversed(req.blocks))
         req.blocks = []
         req.num_computed = 0
