@@ -63,6 +63,7 @@ class IndexSettings(Strict):
     kind: Literal["precise", "approximate"] = "precise"   # precise falls back to approximate per replica without a live event stream
     default_block_size: int = 16          # until /metrics or events tell a replica's own
     approx_capacity_blocks: int = 100_000  # per replica, unless its num_gpu_blocks is known
+    speculative_ttl_s: float = 30.0       # a routed prompt's blocks count as held until BlockStored confirms them, at most this long (0: off; docs/gateway.md)
 
 
 class StaticEndpoint(Strict):

@@ -111,7 +111,7 @@ class Gateway:
         self.model = model
         self.registry = Registry(cfg.health.eject_after_failures, cfg.health.readmit_after_s)
         self.registry.on_eject = self._on_eject
-        self.precise = PreciseIndex()
+        self.precise = PreciseIndex(cfg.index.speculative_ttl_s)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg))
         self.metrics = GatewayMetrics(self._snapshot)
@@ -259,6 +259,7 @@ class Gateway:
                 "block_size": self.router.block_size(r), "num_gpu_blocks": r.num_gpu_blocks,
                 "index": {"used": "precise" if self.router.uses_precise(r) else "approximate",
                           "precise_blocks": self.precise.blocks(r.name),
+                          "speculative_blocks": self.precise.speculative_blocks(r.name),
                           "approximate_blocks": self.approx.blocks(r.name)},
                 "events": {"state": r.events_state, "batches": r.events_received,
                            "gaps": r.events_gaps, "restarts": r.events_restarts},
@@ -395,6 +396,7 @@ class Gateway:
                 s.set_attribute(names.SCHEDULE_WEIGHTS, json.dumps(self.router.scheduler.weights))
                 s.set_attribute(names.SCHEDULE_CANDIDATES, json.dumps([
                     {"replica": c.name, "prefix_tokens": c.prefix_tokens,
+                     "speculative_tokens": c.speculative_tokens,
                      "scores": {k: round(v, 4) for k, v in c.scores.items()}, "total": round(c.total, 4),
                      "waiting": c.replica.waiting, "running": c.replica.running,
                      "kv_usage": round(c.replica.kv_usage, 4), "inflight": c.replica.inflight,
@@ -405,6 +407,7 @@ class Gateway:
                 s.set_attribute(names.SCHEDULE_KEYS_MS, routed.keys_s * 1000)
                 s.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
                 s.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
+                s.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
                 s.set_attribute(names.PROMPT_TOKENS, len(tokens))
         return routed
 
@@ -422,8 +425,10 @@ class Gateway:
                 self.router.learn(r, routed.keys_by_size)
             headers[names.HEADER_ROUTED_TO] = r.name
             headers[names.HEADER_PREFIX_PREDICTED] = str(cand.prefix_tokens)
+            headers[names.HEADER_PREFIX_SPECULATIVE] = str(cand.speculative_tokens)
             span.set_attribute(names.REPLICA, r.name)
             span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
+            span.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, cand.speculative_tokens)
             span.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
             with self.tracer.start_as_current_span(call, kind=SpanKind.CLIENT) as up:
                 up.set_attribute(names.REPLICA, r.name)
@@ -488,6 +493,7 @@ class Gateway:
         counter.labels(self.policy, "prompt").inc(int(headers[names.HEADER_PROMPT_TOKENS]))
         counter.labels(self.policy, "available").inc(int(headers[names.HEADER_PREFIX_AVAILABLE]))
         counter.labels(self.policy, "predicted").inc(int(headers[names.HEADER_PREFIX_PREDICTED]))
+        counter.labels(self.policy, "speculative").inc(int(headers[names.HEADER_PREFIX_SPECULATIVE]))
         counter.labels(self.policy, "delivered").inc(cached)
         if usage.prompt_tokens is not None:
             span.set_attribute(names.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
