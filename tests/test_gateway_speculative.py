@@ -1,4 +1,4 @@
-"""Speculative blocks in the gateway, against real `kvlab engine sim` replicas: two requests that
+"""Speculative blocks (and the pending-prefill book) in the gateway, against real `kvlab engine sim` replicas: two requests that
 share a long prefix and arrive back to back, before the first one's BlockStored can have reached
 the gateway, go to the same replica under the precise kv-aware policy; with the speculative layer
 off, load sends the second one elsewhere (the scatter issue 17 measured)."""
@@ -28,8 +28,8 @@ async def back_to_back(eps: list[Endpoint], ttl_s: float, group: int) -> tuple[l
             await asyncio.sleep(0.05)
         assert all(r.events_state == "live" for r in g.gw.registry.replicas.values())
         assert g.gw.precise.total_blocks() == 0
-        answers = await asyncio.gather(g.chat(doc(group, 80), "first question"),
-                                       g.chat(doc(group, 80), "second question"))
+        answers = await asyncio.gather(g.chat(doc(group, 80), "first question", stream=True),
+                                       g.chat(doc(group, 80), "second question", stream=True))
         for status, _, body in answers:
             assert status == 200, body
         for _ in range(40):   # the engine's BlockStored events trail the responses a little
@@ -37,6 +37,10 @@ async def back_to_back(eps: list[Endpoint], ttl_s: float, group: int) -> tuple[l
                 break
             await asyncio.sleep(0.05)
         confirmed = g.gw.precise.confirmed
+        # the pending-prefill book released both requests at their first token and learned a cost
+        reps = g.gw.registry.replicas
+        assert all(r.pending_prefill_tokens == 0 for r in reps.values())
+        assert reps[answers[0][1][names.HEADER_ROUTED_TO]].prefill_ms_per_token is not None
     return [h for _, h, _ in answers], confirmed
 
 

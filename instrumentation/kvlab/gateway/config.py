@@ -29,6 +29,8 @@ class Weights(Strict):
     kv_usage: float = 0.0
     inflight: float = 0.0
     inflight_tokens: float = 0.0         # prefill tokens in flight (per data-parallel rank, docs/wide-ep.md)
+    pending_prefill: float = 0.0         # uncached prompt tokens not yet past their first token (gateway/prefill.py)
+    predicted_ttft: float = 0.0          # learned cost per prefill token x (work ahead + own uncached tokens)
 
 
 class Thresholds(Strict):

@@ -34,6 +34,7 @@ from kvlab.gateway.kvevents import EventFeed
 from kvlab.gateway.loadview import LoadView
 from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.pd import Disaggregation
+from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import PromptTokenizer
@@ -128,6 +129,7 @@ class Gateway:
         self.ready = asyncio.Event()
         self.autoscaler = Recommender(cfg.autoscale)
         self.pd = Disaggregation(self)
+        self.prefill = PrefillBook()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -401,6 +403,8 @@ class Gateway:
                      "waiting": c.replica.waiting, "running": c.replica.running,
                      "kv_usage": round(c.replica.kv_usage, 4), "inflight": c.replica.inflight,
                      "inflight_tokens": c.replica.inflight_tokens,
+                     "pending_prefill_tokens": c.replica.pending_prefill_tokens,
+                     "prefill_ms_per_token": c.replica.prefill_ms_per_token,
                      "filtered": c.name in d.filtered}
                     for c in d.candidates]))
                 s.set_attribute(names.SCHEDULE_INDEX, json.dumps(routed.index_of))
@@ -441,6 +445,7 @@ class Gateway:
                 r.routed += 1
                 work = max(0, int(headers[names.HEADER_PROMPT_TOKENS]) - cand.prefix_tokens)
                 r.inflight_tokens += work
+                prefill = self.prefill.start(r, work)
                 try:
                     try:
                         resp = await self.session.post(r.url + path, data=body, headers=out_headers,
@@ -466,13 +471,15 @@ class Gateway:
                             headers[name] = resp.headers[name]
                     try:
                         if stream and resp.status == 200:
-                            return await self._relay_stream(request, span, up, r, resp, client_usage, headers, t_start)
+                            return await self._relay_stream(request, span, up, r, resp, client_usage, headers,
+                                                            t_start, prefill)
                         return await self._relay_unary(span, up, r, resp, headers)
                     finally:
                         resp.release()
                 finally:
                     r.inflight -= 1
                     r.inflight_tokens -= work
+                    self.prefill.finish(prefill)
         span.set_status(Status(StatusCode.ERROR, last_error))
         span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
         self.metrics.requests.labels(d.chosen.name, self.policy, "502").inc()
@@ -532,7 +539,7 @@ class Gateway:
 
     async def _relay_stream(self, request: web.Request, span: trace.Span, up: trace.Span, r: Replica,
                             resp: aiohttp.ClientResponse, client_usage: bool, headers: dict[str, str],
-                            t_start: float) -> web.StreamResponse:
+                            t_start: float, prefill: Prefill | None = None) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={
             **headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
@@ -563,6 +570,8 @@ class Gateway:
                 if send:
                     if first:
                         first = False
+                        if prefill is not None:
+                            self.prefill.first_token(prefill)
                         self.metrics.ttft.labels(self.policy, r.name).observe(
                             time.perf_counter() - t_start, exemplar=_exemplar(span))
                     await out.write(b"".join(send))

@@ -97,7 +97,8 @@ class Scheduler:
         self.picker = picker
         weights = {"prefix": cfg.weights.prefix, "queue": cfg.weights.queue,
                    "kv_usage": cfg.weights.kv_usage, "inflight": cfg.weights.inflight,
-                   "inflight_tokens": cfg.weights.inflight_tokens}
+                   "inflight_tokens": cfg.weights.inflight_tokens,
+                   "pending_prefill": cfg.weights.pending_prefill, "predicted_ttft": cfg.weights.predicted_ttft}
         self.scorers = [(s, weights[s.name]) for s in scorers]
         self.weights = {s.name: w for s, w in self.scorers}
 
