@@ -48,7 +48,7 @@ KV = {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5, "inflight": 1.0}   # the kv-
 CANDIDATES: dict[str, tuple[str, dict[str, float] | None, float | None]] = {
     "round-robin": ("round-robin", None, None),
     "prefix": ("prefix", None, None),
-    "kv-aware, no speculation": ("kv-aware", None, 0.0),
+    "kv-aware no-speculation": ("kv-aware", None, 0.0),
     "kv-aware": ("kv-aware", None, None),
     "kv-aware + pending_prefill 1": ("kv-aware", {**KV, "pending_prefill": 1.0}, None),
     "kv-aware + predicted_ttft 1": ("kv-aware", {**KV, "predicted_ttft": 1.0}, None),
