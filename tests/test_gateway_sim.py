@@ -284,7 +284,8 @@ def test_spans_one_trace_from_client_to_replica(sims, spans, otlp):
         assert key in sched.attributes, key
     cands = json.loads(sched.attributes[names.SCHEDULE_CANDIDATES])
     assert {c["replica"] for c in cands} == {e.name for e in eps}
-    assert all(set(c["scores"]) == {"prefix", "queue", "kv_usage", "inflight", "inflight_tokens"} for c in cands)
+    assert all(set(c["scores"]) == {"prefix", "queue", "kv_usage", "inflight", "inflight_tokens",
+                                                "pending_prefill", "predicted_ttft"} for c in cands)
     assert json.loads(sched.attributes[names.SCHEDULE_WEIGHTS])["prefix"] > 0
     # no prompt text anywhere in the gateway's spans
     text = json.dumps([dict(s.attributes) for s in mine.values()])

@@ -26,7 +26,7 @@ def test_percentiles_rates_and_hit_rates():
     assert s["first_error"] == "HTTP 503: down"
     assert abs(s["ttft_ms"]["p50"] - 50.5) < 1e-6
     assert 94 < s["ttft_ms"]["p95"] < 97 and 98 < s["ttft_ms"]["p99"] <= 100
-    assert s["hit_rate"] == {"available": 0.9, "predicted": 0.6, "delivered": 0.5}
+    assert s["hit_rate"] == {"available": 0.9, "predicted": 0.6, "speculative": None, "delivered": 0.5}
     # window: first send (t=100) to last end (t=150 + 0.4)
     assert abs(s["duration_s"] - 50.4) < 1e-6
     assert abs(s["rps"] - 100 / 50.4) < 1e-3

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import pytest
 
 from kvlab.errors import ConfigError
@@ -75,3 +78,45 @@ def test_bad_parameters_and_names_are_errors():
         create("shared-prefix", params={"groupz": 3})
     with pytest.raises(ConfigError, match="unknown workload"):
         create("nope")
+
+
+def test_agentic_layers_system_tools_scratchpad_and_abandons_branches():
+    w = create("agentic", seed=5, params={"agents": 3, "system_tokens": 200, "tool_tokens": 150,
+                                          "steps": 8, "branch_probability": 0.3})
+    sessions = list(itertools.islice(w.sessions(), 12))
+    systems = {s[0].messages[0]["content"] for s in sessions}
+    shared = {c.split("\n\nTools:\n")[0] for c in systems}
+    assert len(shared) == 1 and 180 <= n_tokens(next(iter(shared))) <= 200   # one system prompt for all
+    assert len(systems) == 3                                                   # one tool block per agent
+    assert {s[0].group for s in sessions} == {"agent0", "agent1", "agent2"}
+    branches = 0
+    for s in sessions:
+        assert [r.turn for r in s] == list(range(len(s)))
+        extends = [any(later.messages[: len(r.messages)] == r.messages for later in s[i + 1:])
+                   for i, r in enumerate(s)]
+        main = [r for r, e in zip(s, extends) if e] + [s[-1]]
+        abandoned = [r for r, e in zip(s[:-1], extends) if not e]   # no later step builds on it
+        assert len(main) == 8
+        for prev, cur in zip(main, main[1:]):   # each step adds one action and one observation
+            assert cur.messages[: len(prev.messages)] == prev.messages
+            assert len(cur.messages) == len(prev.messages) + 2
+            assert cur.messages[-2]["content"].startswith("Action:")
+            assert cur.messages[-1]["content"].startswith("Observation:")
+        for b in abandoned:     # a branch tried one step further from the main line
+            assert any(b.messages[:-2] == m.messages for m in main)
+        branches += len(abandoned)
+    assert 0.15 < branches / (12 * 8) < 0.45
+
+
+def test_long_context_prompts_near_the_limit_popular_and_new():
+    w = create("long-context", seed=6, params={"contexts": 4, "context_tokens": 1500, "new_fraction": 0.2})
+    reqs = w.requests(200)
+    contexts: dict[str, set[str]] = {}
+    for r in reqs:
+        contexts.setdefault(r.group, set()).add(r.messages[0]["content"].split("\n\nQuestion:")[0])
+    assert all(len(contexts[f"c{c}"]) == 1 for c in range(4) if f"c{c}" in contexts)
+    assert len(contexts["new"]) == sum(r.group == "new" for r in reqs)        # every new one is unique
+    assert 0.1 < len(contexts["new"]) / 200 < 0.3
+    counts = Counter(r.group for r in reqs)
+    assert counts["c0"] > 2 * counts["c3"]                                     # Zipf-like popularity
+    assert all(1400 <= n_tokens(c) <= 1500 for c in contexts["c0"])

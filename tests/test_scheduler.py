@@ -91,7 +91,8 @@ def test_round_robin_cycles_and_scores_in_shadow():
     assert all(d.shadow and d.best.name == "c" and d.reason == "round-robin" for d in chosen)
     assert [d.predicted_tokens for d in chosen[:3]] == [0, 0, 100]
     assert all(d.available_tokens == 100 for d in chosen)
-    assert all(set(d.chosen.scores) == {"prefix", "queue", "kv_usage", "inflight", "inflight_tokens"} for d in chosen)
+    assert all(set(d.chosen.scores) == {"prefix", "queue", "kv_usage", "inflight", "inflight_tokens",
+                                                "pending_prefill", "predicted_ttft"} for d in chosen)
 
 
 def test_least_load_ignores_prefix():

@@ -29,6 +29,8 @@ class Weights(Strict):
     kv_usage: float = 0.0
     inflight: float = 0.0
     inflight_tokens: float = 0.0         # prefill tokens in flight (per data-parallel rank, docs/wide-ep.md)
+    pending_prefill: float = 0.0         # uncached prompt tokens not yet past their first token (gateway/prefill.py)
+    predicted_ttft: float = 0.0          # learned cost per prefill token x (work ahead + own uncached tokens)
 
 
 class Thresholds(Strict):
@@ -65,6 +67,7 @@ class IndexSettings(Strict):
     kind: Literal["precise", "approximate"] = "precise"   # precise falls back to approximate per replica without a live event stream
     default_block_size: int = 16          # until /metrics or events tell a replica's own
     approx_capacity_blocks: int = 100_000  # per replica, unless its num_gpu_blocks is known
+    speculative_ttl_s: float = 30.0       # a routed prompt's blocks count as held until BlockStored confirms them, at most this long (0: off; docs/gateway.md)
 
 
 class StaticEndpoint(Strict):

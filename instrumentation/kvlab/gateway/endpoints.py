@@ -23,6 +23,8 @@ class Replica:
     num_gpu_blocks: int | None = None
     inflight: int = 0                   # requests the gateway has open to it right now
     inflight_tokens: int = 0            # their prefill work: prompt minus predicted cached prefix
+    pending_prefill_tokens: int = 0     # uncached prompt tokens sent and not yet past their first token (gateway/prefill.py)
+    prefill_ms_per_token: float | None = None   # learned from observed TTFTs (gateway/prefill.py)
     healthy: bool = True
     failures: int = 0                   # consecutive
     ejected_at: float | None = None

@@ -90,7 +90,7 @@ class Disaggregation:
                 keys = dict(routed.keys_by_size)
                 for bs in {gw.router.block_size(r) for r in prefills} - keys.keys():
                     keys[bs] = block_keys(tokens, bs)
-                prefix, _ = gw.router.prefix_of(prefills, keys, len(tokens))
+                prefix, _, _ = gw.router.prefix_of(prefills, keys, len(tokens))
                 d = gw.router.scheduler.schedule(RouteRequest(len(tokens)), prefills, prefix)
                 plan.prefill = d.ranked
                 s.set_attribute(names.PD_PREFILL_REPLICA, d.chosen.name)

@@ -3,7 +3,9 @@
 Each replica is looked up in the index it can be trusted in: the precise (KV-event) index when
 its event stream is live, the approximate (learned) index otherwise. The chosen replica's
 blocks are then learned by the approximate index, whatever the policy, so it is ready as a
-fallback the moment an event stream goes stale.
+fallback the moment an event stream goes stale, and, when the replica is on the precise index,
+added to its speculative layer: a request sharing the prefix that arrives before the engine's
+`BlockStored` then sees it (docs/gateway.md, "Speculative blocks").
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ class Router:
         sizes = {r.name: self.block_size(r) for r in replicas}
         keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
         t1 = time.perf_counter()
-        prefix, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
-        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix)
+        prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
+        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative)
         self.learn(decision.chosen.replica, keys_by_size, sizes)
         return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
 
     def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], n_tokens: int,
-                  sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, str]]:
+                  sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
         """Reusable cached prefix tokens per replica, each looked up in the index it can be trusted
-        in; and which index that was. `keys_by_size` must hold every replica's block size.
+        in; how many of them are only speculative (precise index, not yet confirmed); and which
+        index that was. `keys_by_size` must hold every replica's block size.
 
         An engine always computes a prompt's last token (it needs its logits), so a fully cached,
         block-aligned prompt reuses one block less than it holds: the match is capped at the full
@@ -69,14 +72,19 @@ class Router:
         precise_sizes = {r.name: sizes[r.name] for r in replicas if self.uses_precise(r)}
         approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
         prefix = self.precise.match(keys_by_size, precise_sizes) if precise_sizes else {}
+        confirmed = self.precise.match(keys_by_size, precise_sizes, speculative=False) if precise_sizes else {}
         if approx_sizes:
             prefix.update(self.approx.match(keys_by_size, approx_sizes))
+        speculative = {}
         for name, tokens in prefix.items():
             bs = sizes[name]
             prefix[name] = min(tokens, max(n_tokens - 1, 0) // bs * bs)
-        return prefix, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
+            speculative[name] = max(prefix[name] - confirmed.get(name, prefix[name]), 0)
+        return prefix, speculative, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
     def learn(self, r: Replica, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
+        """`r` was sent a prompt with these keys: the approximate index learns them and, when `r`
+        is on the precise index, they are speculative there until its engine confirms them."""
         bs = sizes[r.name] if sizes and r.name in sizes else self.block_size(r)
         keys = keys_by_size.get(bs)
         if keys is None:
@@ -84,3 +92,5 @@ class Router:
         if r.num_gpu_blocks:
             self.approx.capacity_of[r.name] = r.num_gpu_blocks
         self.approx.learn(r.name, keys, bs)
+        if self.uses_precise(r):
+            self.precise.speculate(r.name, keys)

@@ -35,6 +35,7 @@ from kvlab.gateway.kvevents import EventFeed
 from kvlab.gateway.loadview import LoadView
 from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.pd import Disaggregation
+from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import PromptTokenizer
@@ -109,7 +110,7 @@ class Gateway:
         self.model = model
         self.registry = Registry(cfg.health.eject_after_failures, cfg.health.readmit_after_s)
         self.registry.on_eject = self._on_eject
-        self.precise = PreciseIndex()
+        self.precise = PreciseIndex(cfg.index.speculative_ttl_s)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg))
         self.metrics = GatewayMetrics(self._snapshot)
@@ -126,6 +127,7 @@ class Gateway:
         self.ready = asyncio.Event()
         self.autoscaler = Recommender(cfg.autoscale)
         self.pd = Disaggregation(self)
+        self.prefill = PrefillBook()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -255,6 +257,7 @@ class Gateway:
                 "block_size": self.router.block_size(r), "num_gpu_blocks": r.num_gpu_blocks,
                 "index": {"used": "precise" if self.router.uses_precise(r) else "approximate",
                           "precise_blocks": self.precise.blocks(r.name),
+                          "speculative_blocks": self.precise.speculative_blocks(r.name),
                           "approximate_blocks": self.approx.blocks(r.name)},
                 "events": {"state": r.events_state, "batches": r.events_received,
                            "gaps": r.events_gaps, "restarts": r.events_restarts, "replayed": r.events_replayed},
@@ -382,16 +385,20 @@ class Gateway:
                 s.set_attribute(names.SCHEDULE_WEIGHTS, json.dumps(self.router.scheduler.weights))
                 s.set_attribute(names.SCHEDULE_CANDIDATES, json.dumps([
                     {"replica": c.name, "prefix_tokens": c.prefix_tokens,
+                     "speculative_tokens": c.speculative_tokens,
                      "scores": {k: round(v, 4) for k, v in c.scores.items()}, "total": round(c.total, 4),
                      "waiting": c.replica.waiting, "running": c.replica.running,
                      "kv_usage": round(c.replica.kv_usage, 4), "inflight": c.replica.inflight,
                      "inflight_tokens": c.replica.inflight_tokens,
+                     "pending_prefill_tokens": c.replica.pending_prefill_tokens,
+                     "prefill_ms_per_token": c.replica.prefill_ms_per_token,
                      "filtered": c.name in d.filtered}
                     for c in d.candidates]))
                 s.set_attribute(names.SCHEDULE_INDEX, json.dumps(routed.index_of))
                 s.set_attribute(names.SCHEDULE_KEYS_MS, routed.keys_s * 1000)
                 s.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
                 s.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
+                s.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
                 s.set_attribute(names.PROMPT_TOKENS, len(tokens))
         return routed
 
@@ -409,8 +416,10 @@ class Gateway:
                 self.router.learn(r, routed.keys_by_size)
             headers[names.HEADER_ROUTED_TO] = r.name
             headers[names.HEADER_PREFIX_PREDICTED] = str(cand.prefix_tokens)
+            headers[names.HEADER_PREFIX_SPECULATIVE] = str(cand.speculative_tokens)
             span.set_attribute(names.REPLICA, r.name)
             span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
+            span.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, cand.speculative_tokens)
             span.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
             with self.tracer.start_as_current_span(call, kind=SpanKind.CLIENT) as up:
                 up.set_attribute(names.REPLICA, r.name)
@@ -423,6 +432,7 @@ class Gateway:
                 r.routed += 1
                 work = max(0, int(headers[names.HEADER_PROMPT_TOKENS]) - cand.prefix_tokens)
                 r.inflight_tokens += work
+                prefill = self.prefill.start(r, work)
                 try:
                     try:
                         resp = await asyncio.wait_for(self.session.post(
@@ -452,7 +462,8 @@ class Gateway:
                             headers[name] = resp.headers[name]
                     try:
                         if stream and resp.status == 200:
-                            return await self._relay_stream(request, span, up, r, resp, client_usage, headers, t_start)
+                            return await self._relay_stream(request, span, up, r, resp, client_usage, headers,
+                                                            t_start, prefill)
                         return await self._relay_unary(span, up, r, resp, headers)
                     except asyncio.CancelledError:
                         resp.close()   # the client went away: dropping the connection aborts the engine's work
@@ -462,6 +473,7 @@ class Gateway:
                 finally:
                     r.inflight -= 1
                     r.inflight_tokens -= work
+                    self.prefill.finish(prefill)
         span.set_status(Status(StatusCode.ERROR, last_error))
         span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
         self.metrics.requests.labels(d.chosen.name, self.policy, "502").inc()
@@ -482,6 +494,7 @@ class Gateway:
         counter.labels(self.policy, "prompt").inc(int(headers[names.HEADER_PROMPT_TOKENS]))
         counter.labels(self.policy, "available").inc(int(headers[names.HEADER_PREFIX_AVAILABLE]))
         counter.labels(self.policy, "predicted").inc(int(headers[names.HEADER_PREFIX_PREDICTED]))
+        counter.labels(self.policy, "speculative").inc(int(headers[names.HEADER_PREFIX_SPECULATIVE]))
         counter.labels(self.policy, "delivered").inc(cached)
         if usage.prompt_tokens is not None:
             span.set_attribute(names.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
@@ -520,7 +533,7 @@ class Gateway:
 
     async def _relay_stream(self, request: web.Request, span: trace.Span, up: trace.Span, r: Replica,
                             resp: aiohttp.ClientResponse, client_usage: bool, headers: dict[str, str],
-                            t_start: float) -> web.StreamResponse:
+                            t_start: float, prefill: Prefill | None = None) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={
             **headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
@@ -551,6 +564,8 @@ class Gateway:
                 if send:
                     if first:
                         first = False
+                        if prefill is not None:
+                            self.prefill.first_token(prefill)
                         self.metrics.ttft.labels(self.policy, r.name).observe(
                             time.perf_counter() - t_start, exemplar=_exemplar(span))
                     await out.write(b"".join(send))

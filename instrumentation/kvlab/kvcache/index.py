@@ -7,6 +7,10 @@ per block: walk the request's keys, AND the masks, note the depth at which each 
 - `PreciseIndex` is fed by the replicas' KV events. Keys are recomputed from
   `BlockStored.token_ids` (parent chained through a map from the engine's hash to our key), so the
   index never depends on the engine's hash function or seed; that same map serves `BlockRemoved`.
+  Its *speculative* layer closes the window between a routing decision and the engine's
+  `BlockStored`: the chosen replica's blocks are added provisionally with a TTL, confirmed by
+  `BlockStored`, dropped by `BlockRemoved`, `AllBlocksCleared`, the replica leaving, or expiry. A
+  lookup says how much of each matched prefix was confirmed and how much speculative.
 - `ApproximateIndex` learns from the gateway's own routing decisions (the blocks of a prompt are
   assumed cached where it was sent), with a bounded LRU per replica, for replicas without events.
 
@@ -16,8 +20,9 @@ request's keys per block size (`keys_by_size`) and each replica is matched again
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvlab.kvcache.hashing import ROOT, block_keys
@@ -28,6 +33,7 @@ class BlockTable:
 
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
+        self.speculative: dict[int, int] = {}   # key -> replicas holding it only provisionally
         self._bits: dict[str, int] = {}
         self._free: list[int] = []
 
@@ -42,17 +48,18 @@ class BlockTable:
     def replicas(self) -> list[str]:
         return list(self._bits)
 
-    def add(self, replica: str, keys: Iterable[int]) -> None:
+    def add(self, replica: str, keys: Iterable[int], speculative: bool = False) -> None:
         b = self.bit(replica)
-        masks = self.masks
+        masks = self.speculative if speculative else self.masks
         for k in keys:
             masks[k] = masks.get(k, 0) | b
 
-    def discard(self, replica: str, keys: Iterable[int]) -> None:
+    def discard(self, replica: str, keys: Iterable[int], speculative: bool = False) -> None:
+        """Clear the replica's bit on `keys` in the confirmed layer (or the speculative one)."""
         b = self._bits.get(replica)
         if b is None:
             return
-        masks = self.masks
+        masks = self.speculative if speculative else self.masks
         nb = ~b
         for k in keys:
             m = masks.get(k)
@@ -70,8 +77,10 @@ class BlockTable:
         if b is not None:
             self._free.append(b)
 
-    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int]) -> dict[str, int]:
-        """Cached prefix length in *tokens* of each replica of `sizes` (replica -> its block size)."""
+    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
+              speculative: bool = False) -> dict[str, int]:
+        """Cached prefix length in *tokens* of each replica of `sizes` (replica -> its block size);
+        with `speculative`, a provisional block counts as held."""
         out: dict[str, int] = {}
         groups: dict[int, int] = {}
         for r, bs in sizes.items():
@@ -83,13 +92,14 @@ class BlockTable:
             return out
         by_bit = {b: r for r, b in self._bits.items()}
         masks = self.masks
+        spec = self.speculative if speculative else {}
         for bs, alive in groups.items():
             keys = keys_by_size.get(bs)
             if not keys:
                 continue
             depth = len(keys)
             for i, k in enumerate(keys):
-                m = masks.get(k, 0) & alive
+                m = (masks.get(k, 0) | spec.get(k, 0)) & alive
                 if m != alive:
                     dropped = alive & ~m
                     while dropped:
@@ -107,19 +117,81 @@ class BlockTable:
 
 
 class PreciseIndex:
-    """Fed by KV events. Per replica: engine hash -> gateway key (for removals and parents)."""
+    """Fed by KV events. Per replica: engine hash -> gateway key (for removals and parents), and the
+    speculative blocks not yet confirmed (key -> expiry, oldest first, so expiry pops from the front)."""
 
-    def __init__(self) -> None:
+    def __init__(self, speculative_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = BlockTable()
         self._engine: dict[str, dict[object, int]] = {}
         self.block_size: dict[str, int] = {}   # as announced by BlockStored events
         self.unresolved = 0   # stored blocks whose parent we never saw (skipped)
+        self.speculative_ttl_s = speculative_ttl_s   # 0: no speculative layer
+        self._clock = clock
+        self._spec: dict[str, OrderedDict[int, float]] = {}
+        self.confirmed = 0    # speculative blocks later confirmed by BlockStored
+        self.expired = 0      # speculative blocks that expired unconfirmed
 
     def blocks(self, replica: str) -> int:
         return len(self._engine.get(replica, ()))
 
+    def speculative_blocks(self, replica: str) -> int:
+        self.expire()
+        return len(self._spec.get(replica, ()))
+
     def total_blocks(self) -> int:
         return sum(len(m) for m in self._engine.values())
+
+    def speculate(self, replica: str, keys: Sequence[int]) -> int:
+        """A request with these block keys was just routed to `replica`: hold its blocks there
+        provisionally until the engine confirms them (or `speculative_ttl_s` passes). Blocks the
+        replica already holds for sure are left alone. Returns the blocks added or refreshed."""
+        if self.speculative_ttl_s <= 0 or not keys:
+            return 0
+        now = self._clock()
+        self.expire(now)
+        b = self.table.bit(replica)
+        confirmed = self.table.masks
+        pending = self._spec.setdefault(replica, OrderedDict())
+        until = now + self.speculative_ttl_s
+        added = [k for k in keys if not confirmed.get(k, 0) & b]
+        for k in added:
+            pending[k] = until
+            pending.move_to_end(k)
+        self.table.add(replica, added, speculative=True)
+        return len(added)
+
+    def expire(self, now: float | None = None) -> int:
+        """Reclaim speculative blocks past their TTL (called by every speculate and lookup)."""
+        if not self._spec:
+            return 0
+        now = self._clock() if now is None else now
+        n = 0
+        for replica, pending in self._spec.items():
+            gone = []
+            while pending:
+                k, until = next(iter(pending.items()))
+                if until > now:
+                    break
+                pending.popitem(last=False)
+                gone.append(k)
+            if gone:
+                self.table.discard(replica, gone, speculative=True)
+                n += len(gone)
+        self.expired += n
+        return n
+
+    def _drop_speculative(self, replica: str, keys: Iterable[int] | None = None) -> int:
+        """Forget `replica`'s speculative blocks among `keys` (all of them when None)."""
+        pending = self._spec.get(replica)
+        if not pending:
+            return 0
+        if keys is None:
+            gone = list(pending)
+            pending.clear()
+        else:
+            gone = [k for k in keys if pending.pop(k, None) is not None]
+        self.table.discard(replica, gone, speculative=True)
+        return len(gone)
 
     def apply(self, replica: str, events: Iterable[Event]) -> int:
         """Apply a batch of events from `replica`; returns the number of blocks touched."""
@@ -145,8 +217,10 @@ class PreciseIndex:
                 for eh, k in zip(ev.block_hashes[:n], keys[:n]):
                     emap[eh] = k
                 table.add(replica, keys[:n])
+                self.confirmed += self._drop_speculative(replica, keys[:n])
                 touched += n
             elif isinstance(ev, BlockRemoved):
+                # a removed block was stored first, which already ended its speculation
                 table.discard(replica, [k for k in (emap.pop(eh, None) for eh in ev.block_hashes)
                                         if k is not None])
                 touched += len(ev.block_hashes)
@@ -156,6 +230,7 @@ class PreciseIndex:
 
     def clear(self, replica: str) -> None:
         """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy)."""
+        self._drop_speculative(replica)
         emap = self._engine.get(replica)
         if emap:
             self.table.discard(replica, emap.values())
@@ -163,12 +238,18 @@ class PreciseIndex:
 
     def remove(self, replica: str) -> None:
         """The replica left the endpoint set."""
+        self._drop_speculative(replica)
+        self._spec.pop(replica, None)
         emap = self._engine.pop(replica, {})
         self.table.forget(replica, emap.values())
         self.block_size.pop(replica, None)
 
-    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int]) -> dict[str, int]:
-        return self.table.match(keys_by_size, sizes)
+    def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
+              speculative: bool = True) -> dict[str, int]:
+        """Prefix tokens per replica, speculative blocks included unless `speculative` is False."""
+        if speculative:
+            self.expire()
+        return self.table.match(keys_by_size, sizes, speculative and bool(self._spec))
 
 
 class ApproximateIndex:

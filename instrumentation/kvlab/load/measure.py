@@ -44,6 +44,7 @@ class Record(msgspec.Struct, kw_only=True):
     cached_tokens: int | None = None      # delivered: usage.prompt_tokens_details.cached_tokens
     available_tokens: int | None = None   # gateway header x-kvlab-prefix-available
     predicted_tokens: int | None = None   # gateway header x-kvlab-prefix-predicted
+    speculative_tokens: int | None = None  # gateway header x-kvlab-prefix-speculative (part of predicted)
     replica: str | None = None
     pd: str | None = None                 # gateway header x-kvlab-pd-decision: split | unified | fallback
     trace_id: str | None = None
@@ -89,6 +90,7 @@ def stream_chat(session: requests.Session, url: str, body: dict[str, Any], heade
             record.prompt_tokens = _int_header(h, names.HEADER_PROMPT_TOKENS)
             record.available_tokens = _int_header(h, names.HEADER_PREFIX_AVAILABLE)
             record.predicted_tokens = _int_header(h, names.HEADER_PREFIX_PREDICTED)
+            record.speculative_tokens = _int_header(h, names.HEADER_PREFIX_SPECULATIVE)
             record.pd = h.get(names.HEADER_PD_DECISION)
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {resp.text[:300]}"

@@ -42,7 +42,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     Rates use the measured window (first request sent to last one finished); hit rates are token
     fractions over successful requests: sum(available|predicted|delivered) / sum(prompt tokens),
-    computed over the requests that report that number (None when none do, e.g. no gateway).
+    computed over the requests that report that number (None when none do, e.g. no gateway);
+    `speculative` is the part of `predicted` the gateway's index held only speculatively.
     Inter-token latency three ways: `itl_ms` over each request's mean gap, `itl_max_ms` over each
     request's worst gap (decode stalls), `token_itl_ms` over every gap of every request (vLLM's
     benchmark definition of ITL percentiles).
@@ -57,7 +58,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out_tokens = sum(r.get("output_tokens") or 0 for r in ok)
     hit: dict[str, float | None] = {}
     for kind, key in (("available", "available_tokens"), ("predicted", "predicted_tokens"),
-                      ("delivered", "cached_tokens")):
+                      ("speculative", "speculative_tokens"), ("delivered", "cached_tokens")):
         rows = [r for r in ok if r.get(key) is not None and r.get("prompt_tokens")]
         hit[kind] = _fraction(sum(r[key] for r in rows), sum(r["prompt_tokens"] for r in rows))
     return {

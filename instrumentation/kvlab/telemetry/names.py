@@ -47,6 +47,7 @@ BLOCK_SIZE = "kvlab.block_size"
 PREFIX_AVAILABLE_TOKENS = "kvlab.prefix.available_tokens"   # best cached prefix on any replica
 PREFIX_PREDICTED_TOKENS = "kvlab.prefix.predicted_tokens"   # cached prefix on the chosen replica
 PREFIX_DELIVERED_TOKENS = "kvlab.prefix.delivered_tokens"   # cached_tokens the replica reported
+PREFIX_SPECULATIVE_TOKENS = "kvlab.prefix.speculative_tokens"  # part of predicted not yet confirmed by KV events
 SCHEDULE_CHOSEN = "kvlab.schedule.chosen"
 SCHEDULE_REASON = "kvlab.schedule.reason"
 SCHEDULE_WEIGHTS = "kvlab.schedule.weights"                 # JSON {scorer: weight}
@@ -123,6 +124,7 @@ HEADER_PROMPT_TOKENS = "x-kvlab-prompt-tokens"      # prompt tokens as the gatew
 HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached prefix on any replica
 HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
+HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -143,7 +145,7 @@ VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}
 KVLAB_DECISIONS = "kvlab_gateway_decisions"               # counter {policy, reason}
-KVLAB_PREFIX_TOKENS = "kvlab_gateway_prefix_tokens"       # counter {policy, kind=available|predicted|delivered|prompt}
+KVLAB_PREFIX_TOKENS = "kvlab_gateway_prefix_tokens"       # counter {policy, kind=available|predicted|speculative|delivered|prompt}
 KVLAB_ROUTING_SECONDS = "kvlab_gateway_routing_seconds"   # histogram {policy}
 KVLAB_GATEWAY_TTFT = "kvlab_gateway_ttft_seconds"         # histogram {policy, replica}
 KVLAB_UPSTREAM_ERRORS = "kvlab_gateway_upstream_errors"   # counter {replica, kind}

@@ -170,6 +170,7 @@ def explain_lines(d: Decision, ttft_ms: float | None) -> list[str]:
              f"  prompt tokens              {_fmt(prompt)}",
              f"  available (any replica)    {_pct(d.available, prompt)}",
              f"  predicted (chosen replica) {_pct(d.predicted, prompt)}",
+             f"    of it speculative        {_pct(d.speculative, prompt)}",
              f"  delivered (engine reused)  {_pct(d.delivered, prompt)}"]
     if d.available is not None and d.predicted is not None:
         lines.append(f"  lost to routing            {d.available - d.predicted} tokens")

@@ -34,6 +34,7 @@ class Decision:
     prompt_tokens: int | None
     available: int | None
     predicted: int | None
+    speculative: int | None         # the part of predicted not yet confirmed by KV events
     delivered: int | None
     attempts: int
     routing_ms: float
@@ -101,6 +102,7 @@ def decision_of(trace: Trace) -> Decision | None:
         prompt_tokens=_int(pick(n.PROMPT_TOKENS) or pick(n.GEN_AI_USAGE_INPUT_TOKENS)),
         available=_int(pick(n.PREFIX_AVAILABLE_TOKENS)),
         predicted=_int(pick(n.PREFIX_PREDICTED_TOKENS)),
+        speculative=_int(pick(n.PREFIX_SPECULATIVE_TOKENS)),
         delivered=_int(delivered),
         attempts=len(schedules),
         routing_ms=sum(s.duration_ms for s in schedules),

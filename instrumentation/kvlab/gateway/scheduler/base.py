@@ -19,6 +19,7 @@ from kvlab.gateway.endpoints import Replica
 class Candidate:
     replica: Replica
     prefix_tokens: int = 0
+    speculative_tokens: int = 0      # the part of prefix_tokens not yet confirmed by the engine
     scores: dict[str, float] = field(default_factory=dict)
     total: float = 0.0
 
@@ -46,6 +47,10 @@ class Decision:
     @property
     def predicted_tokens(self) -> int:
         return self.chosen.prefix_tokens
+
+    @property
+    def speculative_tokens(self) -> int:
+        return self.chosen.speculative_tokens
 
 
 class Scorer(abc.ABC):
@@ -92,13 +97,17 @@ class Scheduler:
         self.picker = picker
         weights = {"prefix": cfg.weights.prefix, "queue": cfg.weights.queue,
                    "kv_usage": cfg.weights.kv_usage, "inflight": cfg.weights.inflight,
-                   "inflight_tokens": cfg.weights.inflight_tokens}
+                   "inflight_tokens": cfg.weights.inflight_tokens,
+                   "pending_prefill": cfg.weights.pending_prefill, "predicted_ttft": cfg.weights.predicted_ttft}
         self.scorers = [(s, weights[s.name]) for s in scorers]
         self.weights = {s.name: w for s, w in self.scorers}
 
-    def schedule(self, req: RouteRequest, replicas: list[Replica], prefix: dict[str, int]) -> Decision:
-        """Pick among `replicas` (non-empty, already healthy); `prefix` maps name -> cached tokens."""
-        cands = [Candidate(r, prefix.get(r.name, 0)) for r in replicas]
+    def schedule(self, req: RouteRequest, replicas: list[Replica], prefix: dict[str, int],
+                 speculative: dict[str, int] | None = None) -> Decision:
+        """Pick among `replicas` (non-empty, already healthy); `prefix` maps name -> cached tokens,
+        `speculative` name -> how many of them are not yet confirmed."""
+        spec = speculative or {}
+        cands = [Candidate(r, prefix.get(r.name, 0), spec.get(r.name, 0)) for r in replicas]
         available = max((c.prefix_tokens for c in cands), default=0)
         kept, filtered = apply_thresholds(cands, self.cfg.thresholds)
         for scorer, w in self.scorers:

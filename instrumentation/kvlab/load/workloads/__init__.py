@@ -20,6 +20,8 @@ _MODULES = {
     "long-doc-qa": "kvlab.load.workloads.long_doc_qa",
     "random": "kvlab.load.workloads.random",
     "pd-mix": "kvlab.load.workloads.pd_mix",
+    "agentic": "kvlab.load.workloads.agentic",
+    "long-context": "kvlab.load.workloads.long_context",
 }
 NAMES = tuple(_MODULES)
 

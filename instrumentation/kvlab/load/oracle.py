@@ -1,0 +1,101 @@
+"""The oracle hit rate: a ceiling on the prefix-cache hit rate any router can reach on a workload.
+
+Given the prompts of a workload in arrival order (token blocks, keyed by the chained hash) and the
+replicas' capacity (blocks per replica x replicas), the ceiling is the block hit rate of **one
+pooled cache of the total capacity run with Belady's optimal offline replacement** (evict the
+block whose next use is farthest in the future; a block needed later than everything cached is
+not kept at all). Why this is an upper bound for every router on those replicas:
+
+- pooled >= partitioned: whatever the replicas hold at any moment, their union is at most the
+  total capacity, and a block a request reuses on its replica is in that union; so the union is
+  itself a pooled cache policy that hits at least as often as any routing;
+- Belady maximises hits among all replacement policies of a cache of that size (Belady 1966;
+  Mattson et al. 1970), so it hits at least as often as that union;
+- it counts every cached block of a prompt, not only the leading run an engine can reuse, and it
+  does not apply the engine's last-token rule (a fully cached prompt reuses one block less), so
+  it can only overstate what an engine could report.
+
+LRU on the pooled cache would *not* be a bound: two partitioned LRU caches can beat one pooled
+LRU cache on some sequences. With `capacity_blocks=None` the cache is unbounded: the ceiling is
+then every block seen before (the workload's reuse alone).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.kvcache.hashing import block_keys
+from kvlab.load.workloads import Request
+
+_NEVER = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: int             # prompt length in tokens (the hit rate's denominator)
+    keys: Sequence[int]     # its full blocks' chained keys
+
+
+@dataclass(frozen=True, slots=True)
+class Oracle:
+    prompt_tokens: int
+    hit_tokens: int
+    block_size: int
+    capacity_blocks: int | None    # None: unbounded
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def prompts(requests: Iterable[Request], block_size: int, tokenizer: PromptTokenizer | None = None) -> list[Prompt]:
+    """Each request's prompt as the gateway tokenizes it (the model's chat template), in blocks."""
+    tok = tokenizer or PromptTokenizer()
+    out = []
+    for r in requests:
+        ids, _ = tok.encode_chat(r.messages)
+        out.append(Prompt(len(ids), block_keys(ids, block_size)))
+    return out
+
+
+def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None) -> Oracle:
+    """Belady's block hits on one pooled cache of `capacity_blocks` (None: unbounded)."""
+    prompt_tokens = sum(p.tokens for p in reqs)
+    seq = [k for p in reqs for k in p.keys]
+    if capacity_blocks is None:
+        seen: set[int] = set()
+        hits = 0
+        for k in seq:
+            hits += k in seen
+            seen.add(k)
+        return Oracle(prompt_tokens, hits * block_size, block_size, None)
+    nxt: list[float] = [_NEVER] * len(seq)
+    last: dict[int, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i] = last.get(seq[i], _NEVER)
+        last[seq[i]] = i
+    cache: dict[int, float] = {}          # key -> its next use
+    heap: list[tuple[float, int]] = []    # (-next use, key), stale entries skipped lazily
+    hits = 0
+    for i, k in enumerate(seq):
+        if k in cache:
+            hits += 1
+        elif len(cache) >= capacity_blocks:
+            while heap and cache.get(heap[0][1]) != -heap[0][0]:
+                heapq.heappop(heap)
+            if capacity_blocks == 0 or (heap and -heap[0][0] <= nxt[i]):
+                continue                  # needed later than anything cached (or no room): not kept
+            del cache[heapq.heappop(heap)[1]]
+        cache[k] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], k))
+    return Oracle(prompt_tokens, hits * block_size, block_size, capacity_blocks)
+
+
+def oracle(requests: Iterable[Request], block_size: int, replicas: int, blocks_per_replica: int | None,
+           tokenizer: PromptTokenizer | None = None) -> Oracle:
+    """The ceiling for `requests` on `replicas` replicas of `blocks_per_replica` blocks each."""
+    cap = None if blocks_per_replica is None else replicas * blocks_per_replica
+    return ceiling(prompts(requests, block_size, tokenizer), block_size, cap)

@@ -1,0 +1,68 @@
+"""agentic: tool-using agents whose scratchpad grows every step, with abandoned branches.
+
+Every agent shares one system prompt (the framework's instructions), then carries its own tool
+block (the tools it may call), then a task. Each step resends everything so far plus the
+scratchpad: the agent's thought/action (assistant) and the tool's observation (user). Now and then
+the agent tries a branch that is abandoned: that request is sent, and the next step continues
+from the scratchpad *without* it, so the branch's blocks are a dead end a cache keeps for nothing.
+Reuse therefore comes in three layers: the shared system prompt (all sessions), the tool block
+(sessions of one agent), the scratchpad (the steps of one session).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from functools import cached_property
+
+from kvlab.load.workloads.base import Params, Request, Workload, text
+
+
+class AgenticParams(Params):
+    agents: int = 4
+    system_tokens: int = 600
+    tool_tokens: int = 500
+    task_tokens: int = 80
+    steps: int = 6
+    step_tokens: int = 60          # the agent's thought and action, kept in the scratchpad
+    observation_tokens: int = 120  # the tool's answer, kept in the scratchpad
+    branch_probability: float = 0.2
+    output_tokens: int = 32
+
+
+class Agentic(Workload):
+    name = "agentic"
+    Params = AgenticParams
+
+    @cached_property
+    def _system(self) -> str:
+        return text(self.rng("system"), self.params.system_tokens)
+
+    @cached_property
+    def _tools(self) -> list[str]:
+        return [text(self.rng("tools", a), self.params.tool_tokens) for a in range(self.params.agents)]
+
+    def session(self, i: int) -> list[Request]:
+        p = self.params
+        rng = self.rng("session", i)
+        agent = rng.randrange(p.agents)
+        system = f"{self._system}\n\nTools:\n{self._tools[agent]}"
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": "Task: " + text(rng, p.task_tokens) + "."}]
+        out: list[Request] = []
+
+        def step() -> list[dict[str, str]]:
+            return [{"role": "assistant", "content": "Action: " + text(rng, p.step_tokens) + "."},
+                    {"role": "user", "content": "Observation: " + text(rng, p.observation_tokens) + "."}]
+
+        for k in range(p.steps):
+            out.append(Request(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out)))
+            if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: the next step goes without it
+                out.append(Request(messages=[*messages, *step()], max_tokens=p.output_tokens,
+                                   group=f"agent{agent}", turn=len(out)))
+            messages = [*messages, *step()]
+        return out
+
+    def sessions(self) -> Iterator[list[Request]]:
+        for i in itertools.count():
+            yield self.session(i)
