@@ -34,6 +34,8 @@ class Replica:
     events_gaps: int = 0
     events_restarts: int = 0
     routed: int = 0
+    tokenizer: str = "unchecked"        # unchecked | match | tokenizer-mismatch | unverified (gateway/parity.py)
+    tokenizer_detail: str | None = None
 
     @property
     def name(self) -> str:
