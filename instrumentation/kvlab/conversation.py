@@ -185,10 +185,8 @@ def content_format(template: str) -> str:
     """`openai` when the template loops over a message's content parts, else `string` (vLLM's rule)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    try:   # parsed by the environment transformers renders with (its `generation` tag included)
-        ast = _compile_jinja_template(template).environment.parse(template)
-    except jinja2.TemplateError:
-        return "string"
+    # parsed by the environment transformers renders with (its `generation` tag included)
+    ast = _compile_jinja_template(template).environment.parse(template)
     for loop in ast.find_all(jinja2.nodes.For):
         it = loop.iter
         while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Test)) and it.node is not None:

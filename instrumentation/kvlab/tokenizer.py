@@ -141,12 +141,16 @@ class Tokenizer:
             template = self.hf.get_chat_template(None, tools=tool_dicts)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from None
-        conv = conversation.messages(messages, conversation.content_format(template), template)
+        try:
+            fmt, variables = conversation.content_format(template), _template_vars(template)
+        except Exception as exc:  # a syntax error: jinja2.TemplateSyntaxError names the line
+            raise RequestError(f"the chat template does not compile: {_reason(exc)}", "messages") from None
+        conv = conversation.messages(messages, fmt, template)
         for k, v in (("add_generation_prompt", add_generation_prompt),
                      ("continue_final_message", continue_final_message), ("documents", documents)):
             if v is not None:
                 kwargs[k] = v
-        accepted = self._chat_params | _template_vars(template)
+        accepted = self._chat_params | variables
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         try:
             return self.hf.apply_chat_template(conv, tools=tool_dicts, chat_template=template,
