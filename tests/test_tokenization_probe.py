@@ -21,11 +21,13 @@ import tokenizer_zoo
 from conftest import free_port, sim_process
 from kvlab.gateway.config import load_policy
 from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.parity import CHAT, PROMPT, compare
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names
 from kvlab.telemetry.setup import configure_tracing
+from kvlab.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +67,11 @@ def test_simulator_serves_the_models_tokenization_and_template(sims, llama_dir):
 
 
 class _Gateway:
-    """An in-process kv-aware gateway with kvlab's default tokenizer."""
+    """An in-process kv-aware gateway (kvlab's default tokenizer unless told otherwise)."""
 
-    def __init__(self, endpoints: list[Endpoint]) -> None:
-        self.gw = Gateway(load_policy("kv-aware"), StaticDiscovery(endpoints), PromptTokenizer(), scrape_interval_ms=100)
+    def __init__(self, endpoints: list[Endpoint], tokens: PromptTokenizer | EngineTokens | None = None) -> None:
+        self.gw = Gateway(load_policy("kv-aware"), StaticDiscovery(endpoints), tokens or PromptTokenizer(),
+                          scrape_interval_ms=100)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -134,3 +137,43 @@ def test_probe_marks_a_mismatched_replica_and_routing_falls_back(sims, caplog):
     probes = [s for s in exporter.get_finished_spans() if s.name == names.SPAN_TOKENIZER_PROBE]
     events = [e for s in probes for e in s.events if e.name == names.EVENT_TOKENIZER_MISMATCH]
     assert len(events) == 2 and events[0].attributes[names.TOKENIZER_FIRST_DIFFERENCE] == 0
+
+
+def test_tokens_in_tokens_out_takes_the_engines_ids(sims):
+    """--tokenize-via engine: the gateway routes on the replica's own ids (here a tokenizer it never
+    loaded), cached, and says so on the tokenize span."""
+    exporter = InMemorySpanExporter()
+    configure_tracing("kvlab-gateway-test", extra=SimpleSpanProcessor(exporter))
+    other_ep = next(e for e in sims if e.name.startswith("other"))
+
+    async def go():
+        async with _Gateway([other_ep], EngineTokens()) as g:
+            await g.replicas([other_ep])
+            for _ in range(2):
+                resp = await g.c.post(g.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+                assert int(resp.headers[names.HEADER_PROMPT_TOKENS]) == body["usage"]["prompt_tokens"]
+            resp = await g.c.post(g.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert int(resp.headers[names.HEADER_PROMPT_TOKENS]) == (await resp.json())["usage"]["prompt_tokens"]
+            health = await (await g.c.get(g.url + "/health")).json()
+            assert health["tokenizer"]["source"] == "engine"
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+    spans = [s for s in exporter.get_finished_spans() if s.name == names.SPAN_TOKENIZE]
+    assert [s.attributes[names.TOKENIZE_SOURCE] for s in spans] == ["engine"] * 3
+    assert [s.attributes[names.TOKENIZE_CACHED] > 0 for s in spans] == [False, True, False]   # the repeat: cached
+
+
+def test_a_chat_the_template_rejects_is_a_400_with_its_message(sims, tmp_path):
+    chatml = tokenizer_zoo.chatml(tmp_path / "chatml")
+
+    async def go():
+        async with _Gateway(sims[:1], PromptTokenizer(Tokenizer(chatml))) as g:
+            resp = await g.c.post(g.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y", "tool_call_id": "1"}]})
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert "tool messages are not supported by this template" in err["message"]
+
+    asyncio.run(asyncio.wait_for(go(), 60))

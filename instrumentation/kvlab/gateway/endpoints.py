@@ -34,7 +34,7 @@ class Replica:
     events_gaps: int = 0
     events_restarts: int = 0
     routed: int = 0
-    tokenizer: str = "unchecked"        # unchecked | match | tokenizer-mismatch | unverified (gateway/parity.py)
+    tokenizer: str = "unchecked"        # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
     tokenizer_detail: str | None = None
 
     @property

@@ -193,6 +193,8 @@ class Gateway:
         for r in added:
             if self.parity is not None:
                 self.parity.start(r)
+            else:
+                r.tokenizer = "engine"     # tokens-in, tokens-out: the ids are the engine's own
             if r.endpoint.kv_events and self.cfg.index.kind == "precise":
                 self._feeds[r.name] = asyncio.create_task(self._run_feed(r))
         self.ready.set()
