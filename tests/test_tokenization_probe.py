@@ -10,24 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import httpx
 import pytest
-from aiohttp import web
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tokenizer_zoo
-from conftest import free_port, sim_process
-from kvlab.gateway.config import load_policy
-from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from conftest import sim_process
+from kvlab.gateway.discovery.base import Endpoint
 from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.parity import CHAT, PROMPT, compare
-from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names
 from kvlab.telemetry.setup import configure_tracing
 from kvlab.tokenizer import Tokenizer
+from test_gateway_sim import InProcessGateway
 
 pytestmark = pytest.mark.slow
 
@@ -66,37 +63,22 @@ def test_simulator_serves_the_models_tokenization_and_template(sims, llama_dir):
     assert r["usage"]["prompt_tokens"] == len(got)
 
 
-class _Gateway:
+def _gateway(endpoints: list[Endpoint], tokens: PromptTokenizer | EngineTokens | None = None) -> InProcessGateway:
     """An in-process kv-aware gateway (kvlab's default tokenizer unless told otherwise)."""
+    return InProcessGateway("kv-aware", endpoints, tokens or PromptTokenizer())
 
-    def __init__(self, endpoints: list[Endpoint], tokens: PromptTokenizer | EngineTokens | None = None) -> None:
-        self.gw = Gateway(load_policy("kv-aware"), StaticDiscovery(endpoints), tokens or PromptTokenizer(),
-                          scrape_interval_ms=100)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self):
-        self.runner = web.AppRunner(self.gw.app(), access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        self.c = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.c.close()
-        await self.runner.cleanup()
-
-    async def replicas(self, endpoints: list[Endpoint]) -> dict[str, dict]:
-        """/debug/endpoints once every probe is done and every event stream is live."""
-        for i in range(300):
-            reps = {r["name"]: r for r in (await (await self.c.get(self.url + "/debug/endpoints")).json())["replicas"]}
-            if all(r["tokenizer"]["state"] != "unchecked" and r["events"]["state"] == "live" for r in reps.values()):
-                return reps
-            if i % 10 == 0:   # an event stream goes live with its first stored block: give the replicas work
-                for e in endpoints:
-                    await self.c.post(e.url + "/v1/completions", json={"prompt": f"warm up {i} " * 20, "max_tokens": 1})
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"probes or event streams never finished: {reps}")
+async def _replicas(g: InProcessGateway, endpoints: list[Endpoint]) -> dict[str, dict]:
+    """/debug/endpoints once every probe is done and every event stream is live."""
+    for i in range(300):
+        reps = {r["name"]: r for r in (await (await g.client.get(g.url + "/debug/endpoints")).json())["replicas"]}
+        if all(r["tokenizer"]["state"] != "unchecked" and r["events"]["state"] == "live" for r in reps.values()):
+            return reps
+        if i % 10 == 0:   # an event stream goes live with its first stored block: give the replicas work
+            for e in endpoints:
+                await g.client.post(e.url + "/v1/completions", json={"prompt": f"warm up {i} " * 20, "max_tokens": 1})
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"probes or event streams never finished: {reps}")
 
 
 def test_probe_marks_a_mismatched_replica_and_routing_falls_back(sims, caplog):
@@ -107,25 +89,25 @@ def test_probe_marks_a_mismatched_replica_and_routing_falls_back(sims, caplog):
     other_ep = next(e for e in sims if e.name.startswith("other"))
 
     async def go():
-        async with _Gateway(sims) as g:
-            reps = await g.replicas(sims)
+        async with _gateway(sims) as g:
+            reps = await _replicas(g, sims)
             same, other = reps[same_ep.name], reps[other_ep.name]
             assert same["tokenizer"]["state"] == "match", same
             assert other["tokenizer"]["state"] == "tokenizer-mismatch", other
             assert "differs at token 0" in other["tokenizer"]["detail"]       # the BOS the gateway lacks
             assert same["index"]["used"] == "precise"
             assert other["events"]["state"] == "live" and other["index"]["used"] == "approximate"
-            health = await (await g.c.get(g.url + "/health")).json()
+            health = await (await g.client.get(g.url + "/health")).json()
             assert health["tokenizer"] == {"source": "local", "mismatch": [other_ep.name]}
-            metrics = await (await g.c.get(g.url + "/metrics")).text()
+            metrics = await (await g.client.get(g.url + "/metrics")).text()
             assert f'{names.KVLAB_TOKENIZER_PARITY}{{replica="{other_ep.name}"}} 0.0' in metrics
             assert f'{names.KVLAB_TOKENIZER_PARITY}{{replica="{same_ep.name}"}} 1.0' in metrics
         # routing still works for it, on what the gateway learned from its own decisions
-        async with _Gateway([other_ep]) as g:
-            await g.replicas([other_ep])
+        async with _gateway([other_ep]) as g:
+            await _replicas(g, [other_ep])
             doc = " ".join(f"shared line {i} about the probe." for i in range(60))
             for i in range(2):
-                resp = await g.c.post(g.url + "/v1/completions", json={"prompt": doc + f" q{i}", "max_tokens": 2})
+                resp = await g.client.post(g.url + "/v1/completions", json={"prompt": doc + f" q{i}", "max_tokens": 2})
                 assert resp.status == 200, await resp.text()
             assert int(resp.headers[names.HEADER_PREFIX_PREDICTED]) > 0
             body = await resp.json()
@@ -147,16 +129,16 @@ def test_tokens_in_tokens_out_takes_the_engines_ids(sims):
     other_ep = next(e for e in sims if e.name.startswith("other"))
 
     async def go():
-        async with _Gateway([other_ep], EngineTokens()) as g:
-            await g.replicas([other_ep])
+        async with _gateway([other_ep], EngineTokens()) as g:
+            await _replicas(g, [other_ep])
             for _ in range(2):
-                resp = await g.c.post(g.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+                resp = await g.client.post(g.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
                 assert int(resp.headers[names.HEADER_PROMPT_TOKENS]) == body["usage"]["prompt_tokens"]
-            resp = await g.c.post(g.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            resp = await g.client.post(g.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert int(resp.headers[names.HEADER_PROMPT_TOKENS]) == (await resp.json())["usage"]["prompt_tokens"]
-            health = await (await g.c.get(g.url + "/health")).json()
+            health = await (await g.client.get(g.url + "/health")).json()
             assert health["tokenizer"]["source"] == "engine"
 
     asyncio.run(asyncio.wait_for(go(), 120))
@@ -169,8 +151,8 @@ def test_a_chat_the_template_rejects_is_a_400_with_its_message(sims, tmp_path):
     chatml = tokenizer_zoo.chatml(tmp_path / "chatml")
 
     async def go():
-        async with _Gateway(sims[:1], PromptTokenizer(Tokenizer(chatml))) as g:
-            resp = await g.c.post(g.url + "/v1/chat/completions", json={
+        async with _gateway(sims[:1], PromptTokenizer(Tokenizer(chatml))) as g:
+            resp = await g.client.post(g.url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y", "tool_call_id": "1"}]})
             assert resp.status == 400
             err = (await resp.json())["error"]

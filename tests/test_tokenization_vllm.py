@@ -78,6 +78,9 @@ def test_completions_and_chats_match_vllm(engine):
 
 
 def test_a_chat_through_the_gateway_is_predicted_exactly_what_vllm_caches(engine):
+    # blocks cached before the gateway subscribed to the events are invisible to its precise index:
+    # start from an empty cache, as a gateway starting with its replicas does
+    assert httpx.post(engine["url"] + "/reset_prefix_cache", timeout=30).status_code == 200
     d, port = engine["dir"], free_port()
     proc = _start([sys.executable, "-m", "kvlab.cli", "gateway", "--port", str(port), "--endpoints-file",
                    str(engine["ready_file"]), "--policy", "kv-aware", "--tokenizer", str(engine["tok_dir"]),
@@ -108,5 +111,4 @@ def test_a_chat_through_the_gateway_is_predicted_exactly_what_vllm_caches(engine
     again = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 128
-    debug = httpx.get(url + "/debug/endpoints", timeout=5).json()
-    assert int(again.headers[names.HEADER_PREFIX_PREDICTED]) == cached, (dict(again.headers), debug)
+    assert int(again.headers[names.HEADER_PREFIX_PREDICTED]) == cached
