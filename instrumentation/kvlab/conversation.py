@@ -15,7 +15,6 @@ import json
 from functools import lru_cache
 from typing import Any
 
-import jinja2
 import jinja2.nodes
 
 from kvlab.errors import RequestError

@@ -82,10 +82,6 @@ class Tokenizer:
         if self._tok is None:
             raise ConfigError(f"{self.path}: only fast tokenizers (tokenizer.json) are supported, "
                               f"got {type(self.hf).__name__}")
-        self.config: dict[str, Any] = {}
-        cfg_file = self.path / "tokenizer_config.json"
-        if cfg_file.is_file():
-            self.config = json.loads(cfg_file.read_text())
         self.template_file = _template_file(self.path)
         params = signature(type(self.hf).apply_chat_template).parameters.values()
         self._chat_params = frozenset(p.name for p in params
