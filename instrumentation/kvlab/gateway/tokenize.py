@@ -36,7 +36,9 @@ def main(argv: list[str]) -> int:
             body = {"messages": body} if isinstance(body, list) else body
             if not isinstance(body, dict):
                 raise KvlabError(f"{a.chat_file}: expected a messages list or a chat request object")
-            ids, _ = prompts.encode_chat(body.get("messages"), **chat_args(body))
+            args = chat_args(body)
+            args.pop("tool_choice")
+            ids, _ = prompts.encode_chat(body.get("messages"), **args)
     except (KvlabError, OSError, json.JSONDecodeError) as exc:
         print(f"kvlab tokenize: {exc}", file=sys.stderr)
         return 2

@@ -131,7 +131,8 @@ def chat_args(payload: dict[str, Any]) -> dict[str, Any]:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError("`chat_template_kwargs` must be an object", "chat_template_kwargs")
     out: dict[str, Any] = {"chat_template_kwargs": kwargs, "tools": payload.get("tools"),
-                           "documents": payload.get("documents")}
+                           "documents": payload.get("documents"),
+                           "tool_choice": payload.get("tool_choice")}   # the engine's render call needs it
     for key, default in (("add_generation_prompt", True), ("continue_final_message", False),
                          ("add_special_tokens", False)):
         v = payload.get(key, default)
@@ -152,5 +153,5 @@ class LocalTokens:
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return self.prompts.encode_text(text, add_special_tokens)
 
-    async def encode_chat(self, messages: Any, **kwargs: Any) -> tuple[list[int], int]:
+    async def encode_chat(self, messages: Any, tool_choice: Any = None, **kwargs: Any) -> tuple[list[int], int]:
         return self.prompts.encode_chat(messages, **kwargs)
