@@ -4,7 +4,9 @@
 
 Prints: added latency (p50/p99) of the gateway vs calling the upstream directly; requests/s of
 the gateway process pinned to one core; routing-decision time (hashing + index lookup + scoring)
-for 512/2k/8k-token prompts, with tokenization (cold and warm) reported separately; KV-event
+for 512/2k/8k-token prompts, with tokenization (cold and warm) reported separately; tokenization
+start-up/cold/warm cost for 8k-token completions and chats (`--tokenizer DIR` adds any HF
+tokenizer, `--tokenization-only` runs just that part); KV-event
 ingest rate (msgpack decode + index update); index memory for 1M blocks over 8 replicas; and the
 throughput cost of 100 % trace sampling (OTLP export to a local receiver).
 
@@ -199,6 +201,59 @@ def routing_figures(iters: int) -> list[tuple[int, float, float, float, float, f
     return out
 
 
+def tokenization_figures(tokenizer: str | None, iters: int, target: int = 8192) -> dict[str, float]:
+    """Cost of the gateway's tokenization path (transformers' tokenizer + template, piece cache)
+    for a ~`target`-token prompt: start-up (a fresh process importing and loading it), cold
+    (empty cache) and warm (shared document cached, a new question) for completions and chats."""
+    from kvlab.gateway.tokens import PromptTokenizer
+    from kvlab.tokenizer import Tokenizer, words
+
+    code = ("import time; t = time.perf_counter(); from kvlab.gateway.tokens import PromptTokenizer; "
+            "from kvlab.tokenizer import Tokenizer; PromptTokenizer(Tokenizer(%r)); print(time.perf_counter() - t)")
+    startup = [float(subprocess.run([PY, "-c", code % tokenizer], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT / "instrumentation")}).stdout)
+               for _ in range(3)]
+    tok = Tokenizer(tokenizer)
+    rng = random.Random(3)
+    vocab = words()
+    lines: list[str] = []
+    while len(tok.encode("\n".join(lines))) < target * 0.97:
+        lines.append(" ".join(rng.choice(vocab) for _ in range(12)) + ".")
+    doc = "\n".join(lines)
+    chat = lambda q: [{"role": "system", "content": doc}, {"role": "user", "content": q}]  # noqa: E731
+    out: dict[str, float] = {"startup_s": statistics.median(startup)}
+    for kind, call in (("completion", lambda p, q: p.encode_text(doc + "\n" + q)),
+                       ("chat", lambda p, q: p.encode_chat(chat(q)))):
+        cold = []
+        for i in range(5):
+            fresh = PromptTokenizer(tok)
+            t0 = time.perf_counter()
+            ids, _ = call(fresh, f"question {i}")
+            cold.append((time.perf_counter() - t0) * 1000)
+        warm_tok = PromptTokenizer(tok)
+        call(warm_tok, "first question")
+        warm = []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            call(warm_tok, f"question number {i} about {rng.choice(vocab)}")
+            warm.append((time.perf_counter() - t0) * 1000)
+        out[f"{kind}_tokens"] = len(ids)
+        out[f"{kind}_cold_p50"] = statistics.median(cold)
+        out[f"{kind}_warm_p50"] = statistics.median(warm)
+        out[f"{kind}_warm_p99"] = pct(warm, 99)
+    return out
+
+
+def print_tokenization(tokenizers: list[str | None], iters: int) -> None:
+    print("tokenization (transformers tokenizer + template, gateway piece cache), ms:")
+    print("  tokenizer | start-up s | kind | tokens | cold p50 | warm p50 / p99 (target 8k warm p99 <= 2 ms)")
+    for t in tokenizers:
+        f = tokenization_figures(t, iters)
+        for kind in ("completion", "chat"):
+            print(f"  {t or 'kvlab default'} | {f['startup_s']:.2f} | {kind} | {f[kind + '_tokens']:.0f} | "
+                  f"{f[kind + '_cold_p50']:.2f} | {f[kind + '_warm_p50']:.3f} / {f[kind + '_warm_p99']:.3f}")
+
+
 def ingest_rate(total_blocks: int) -> float:
     from kvlab.kvcache.events import BlockStored, KVEventBatch, decode_batch, encode_batch
     from kvlab.kvcache.index import PreciseIndex
@@ -254,9 +309,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer", action="append", default=[],
+                    help="also measure tokenization with this HF tokenizer directory (repeatable)")
+    ap.add_argument("--tokenization-only", action="store_true", help="only the tokenization figures")
     args = ap.parse_args()
     if args.upstream:
         upstream_main(args.upstream)
+        return 0
+    if args.tokenization_only:
+        print_tokenization([None, *args.tokenizer], 100 if args.quick else 300)
         return 0
     n = 300 if args.quick else 1000
     secs = 4.0 if args.quick else 8.0
@@ -298,6 +359,7 @@ def main() -> int:
     print("  prompt tokens | tokenize cold p50 | tokenize warm p50 / p99 | hash+lookup+score p50 / p99")
     for ntok, cold, w50, w99, r50, r99 in routing_figures(100 if args.quick else 300):
         print(f"  {ntok:13d} | {cold:17.2f} | {w50:10.3f} / {w99:.3f} | {r50:11.3f} / {r99:.3f}")
+    print_tokenization([None, *args.tokenizer], 100 if args.quick else 300)
     # 4) ingest, 5) memory
     print(f"KV-event ingest (msgpack decode + index update, one core): "
           f"{ingest_rate(200_000 if args.quick else 1_000_000):,.0f} blocks/s (target >= 100,000)")

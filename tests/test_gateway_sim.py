@@ -134,9 +134,9 @@ def sims(tmp_path_factory, otlp):
 
 
 class InProcessGateway:
-    def __init__(self, policy: str, endpoints: list[Endpoint]) -> None:
+    def __init__(self, policy: str, endpoints: list[Endpoint], tokens=None) -> None:
         self.cfg = load_policy(policy)
-        self.gw = Gateway(self.cfg, StaticDiscovery(endpoints), _TOK, scrape_interval_ms=100)
+        self.gw = Gateway(self.cfg, StaticDiscovery(endpoints), tokens or _TOK, scrape_interval_ms=100)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 

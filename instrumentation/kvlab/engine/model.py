@@ -1,7 +1,8 @@
 """`kvlab model tiny --out DIR`: a tiny Llama-architecture model for real vLLM on CPU.
 
 No model can be downloaded here, so kvlab builds one: random weights (seeded, so the same flags
-give the same files), kvlab's own tokenizer and chat template copied in. Its outputs are
+give the same files), kvlab's own tokenizer (or `--tokenizer DIR`) saved in by transformers, its chat
+template in `chat_template.jinja`. Its outputs are
 gibberish, but the compute, KV cache, prefix caching, metrics and KV events in vLLM are real.
 The default size makes a 2,000-token prefill take one to two seconds on one CPU core, AVX2 or
 AVX-512, so a prefix-cache hit is something a learner feels (docs/vllm.md has the measurements).
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -77,7 +77,7 @@ def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str 
 
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else kvtok.default_dir()
     tok = kvtok.Tokenizer(tok_dir)
-    special = sorted({tok._tok.token_to_id(t) for t in kvtok.SPECIAL_TOKENS} - {None})
+    special = sorted(({tok._tok.token_to_id(t) for t in kvtok.SPECIAL_TOKENS} | set(tok.hf.all_special_ids)) - {None})
     eos = tok.eos_token_id
     config = LlamaConfig(
         vocab_size=tok.vocab_size,
@@ -89,7 +89,7 @@ def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str 
         max_position_embeddings=spec.max_position_embeddings,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        bos_token_id=None,
+        bos_token_id=tok.hf.bos_token_id,
         eos_token_id=eos,
         pad_token_id=eos,
         torch_dtype=spec.dtype,
@@ -105,9 +105,8 @@ def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
+    # saved by transformers, as a model on the Hub has it: the template in chat_template.jinja
+    tok.hf.save_pretrained(str(out))
     (out / SPEC_FILE).write_text(json.dumps(msgspec.to_builtins(spec), indent=2) + "\n")
     return out
 
@@ -116,7 +115,9 @@ def ensure_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str
     """`out` holding a model built from `spec`: reused when it is there, built when not."""
     out = Path(out)
     spec_file = out / SPEC_FILE
-    if spec_file.is_file() and (out / "model.safetensors").is_file():
+    saved_by_transformers = (out / "tokenizer_config.json").is_file() and "chat_template" not in json.loads(
+        (out / "tokenizer_config.json").read_text())
+    if spec_file.is_file() and (out / "model.safetensors").is_file() and saved_by_transformers:
         try:
             if msgspec.json.decode(spec_file.read_bytes(), type=TinySpec) == spec:
                 return out

@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="policy YAML merged over the preset (docs/gateway.md)")
     p.add_argument("--model", help="served model name (informational; replicas validate it)")
     p.add_argument("--tokenizer", help="HF tokenizer directory (default: kvlab's own)")
+    p.add_argument("--tokenize-via", choices=("local", "engine"), default="local",
+                   help="engine: take prompt token ids from the replicas' render//tokenize endpoints "
+                        "(tokens-in, tokens-out) instead of loading the tokenizer")
     p.add_argument("--scrape-interval-ms", type=int, help="load-view scrape interval (default 200)")
     p.add_argument("--ready-file", help="write {'url', 'policy', 'pid'} here once listening")
     p.add_argument("--discovery", choices=("static", "kubernetes", "file"), default="static",
@@ -97,14 +100,24 @@ def discovery(args: argparse.Namespace, cfg: PolicyConfig) -> Discovery:
     return StaticDiscovery(eps)
 
 
-async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery) -> None:
-    from aiohttp import web
+def token_source(args: argparse.Namespace, cfg: PolicyConfig):
+    """Where prompt token ids come from; loading the tokenizer here makes a bad directory or
+    template a start-up error that names the file."""
+    if args.tokenize_via == "engine":
+        from kvlab.gateway.enginetokens import EngineTokens
 
-    from kvlab.gateway.server import Gateway
+        return EngineTokens(args.model, cfg.tokenize_cache_entries)
     from kvlab.gateway.tokens import PromptTokenizer
     from kvlab.tokenizer import Tokenizer
 
-    tok = PromptTokenizer(Tokenizer(args.tokenizer), cfg.tokenize_cache_entries)
+    return PromptTokenizer(Tokenizer(args.tokenizer), cfg.tokenize_cache_entries)
+
+
+async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery, tok) -> None:
+    from aiohttp import web
+
+    from kvlab.gateway.server import Gateway
+
     gw = Gateway(cfg, disc, tok, model=args.model, scrape_interval_ms=args.scrape_interval_ms)
     runner = gw.runner()
     await runner.setup()
@@ -122,6 +135,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_policy(args.policy, args.config)
         disc = discovery(args, cfg)
+        tok = token_source(args, cfg)
     except KvlabError as exc:
         print(f"kvlab gateway: {exc}", file=sys.stderr)
         return 2
@@ -129,7 +143,7 @@ def main(argv: list[str]) -> int:
 
     configure_tracing("kvlab-gateway")
     try:
-        run(serve(args, cfg, disc))
+        run(serve(args, cfg, disc, tok))
     except OSError as exc:
         print(f"kvlab gateway: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -37,6 +37,8 @@ class Replica:
     events_restarts: int = 0
     events_replayed: int = 0            # lost batches recovered from the replay endpoint
     routed: int = 0
+    tokenizer: str = "unchecked"        # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
+    tokenizer_detail: str | None = None
 
     @property
     def name(self) -> str:

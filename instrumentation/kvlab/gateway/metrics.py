@@ -85,6 +85,9 @@ class GatewayMetrics:
         self.kv_transfer = Histogram(names.KVLAB_KV_TRANSFER_SECONDS, "KV pulled by decode replicas (their report)",
                                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                      registry=r)
+        self.tokenizer_parity = Gauge(names.KVLAB_TOKENIZER_PARITY,
+                                      "1 when the replica tokenizes the probe samples as the gateway does, 0 if not",
+                                      ["replica"], registry=r)
         self.desired_replicas = Gauge(names.KVLAB_DESIRED_REPLICAS, "replicas the load needs (docs/autoscaling.md)",
                                       registry=r)
         self.current_replicas = Gauge(names.KVLAB_CURRENT_REPLICAS, "healthy replicas the recommendation counted",

@@ -1,7 +1,8 @@
 """From prompt tokens to a routing decision: block keys per block size, index lookup, scheduler.
 
 Each replica is looked up in the index it can be trusted in: the precise (KV-event) index when
-its event stream is live, the approximate (learned) index otherwise. The chosen replica's
+its event stream is live and its tokenizer matches the gateway's, the approximate (learned) index
+otherwise. The chosen replica's
 blocks are then learned by the approximate index, whatever the policy, so it is ready as a
 fallback the moment an event stream goes stale, and, when the replica is on the precise index,
 added to its speculative layer: a request sharing the prefix that arrives before the engine's
@@ -43,7 +44,8 @@ class Router:
         return r.block_size or self.precise.block_size.get(r.name) or self.cfg.index.default_block_size
 
     def uses_precise(self, r: Replica) -> bool:
-        return self.cfg.index.kind == "precise" and r.events_state == "live"
+        return (self.cfg.index.kind == "precise" and r.events_state == "live"
+                and r.tokenizer != "tokenizer-mismatch")   # its events' keys would never match ours
 
     def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> Routed:
         t0 = time.perf_counter()

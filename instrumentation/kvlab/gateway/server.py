@@ -30,15 +30,17 @@ from kvlab.gateway import dp as dp_view
 from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, Endpoint
+from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.endpoints import Registry, Replica
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.gateway.loadview import LoadView
 from kvlab.gateway.metrics import GatewayMetrics
+from kvlab.gateway.parity import MATCH, MISMATCH, ParityProbe, Verdict
 from kvlab.gateway.pd import Disaggregation
 from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
-from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.gateway.tokens import LocalTokens, PromptTokenizer, chat_args
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.telemetry import names
 
@@ -81,32 +83,15 @@ def _upstream_error(message: str, status: int = 502) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
-def _text_of(content: Any) -> str:
-    """A chat message's content as the template sees it (OpenAI text parts joined by newlines)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict):
-                raise RequestError("message content parts must be objects", "messages")
-            if p.get("type") == "text":
-                if not isinstance(p.get("text"), str):
-                    raise RequestError("a text content part needs a string `text`", "messages")
-                parts.append(p["text"])
-        return "\n".join(parts)
-    raise RequestError("message content must be a string or a list of parts", "messages")
-
-
 class Gateway:
     """The gateway's state and aiohttp application."""
 
-    def __init__(self, cfg: PolicyConfig, discovery: Discovery, tokenizer: PromptTokenizer,
+    def __init__(self, cfg: PolicyConfig, discovery: Discovery, tokenizer: PromptTokenizer | EngineTokens,
                  model: str | None = None, scrape_interval_ms: int | None = None) -> None:
         self.cfg = cfg
         self.policy = cfg.name
         self.discovery = discovery
-        self.tokenizer = tokenizer
+        self.tokenizer = LocalTokens(tokenizer) if isinstance(tokenizer, PromptTokenizer) else tokenizer
         self.model = model
         self.registry = Registry(cfg.health.eject_after_failures, cfg.health.readmit_after_s)
         self.registry.on_eject = self._on_eject
@@ -128,6 +113,8 @@ class Gateway:
         self.autoscaler = Recommender(cfg.autoscale)
         self.pd = Disaggregation(self)
         self.prefill = PrefillBook()
+        self.parity = (ParityProbe(tokenizer, model, on_verdict=self._on_parity)
+                       if isinstance(tokenizer, PromptTokenizer) else None)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -154,6 +141,10 @@ class Gateway:
     async def _startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        if self.parity is not None:
+            self.parity.session = self.session
+        if isinstance(self.tokenizer, EngineTokens):
+            self.tokenizer.bind(self.session, self.registry)
         loadview = LoadView(self.registry, self.session, self.scrape_interval_s, self.cfg.timeouts.scrape_s)
         self._tasks.append(asyncio.create_task(self._discover()))
         self._tasks.append(asyncio.create_task(loadview.run()))
@@ -163,6 +154,8 @@ class Gateway:
         for t in [*self._tasks, *self._feeds.values()]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._feeds.values(), return_exceptions=True)
+        if self.parity is not None:
+            await self.parity.close()
         if self.session is not None:
             await self.session.close()
 
@@ -201,7 +194,15 @@ class Gateway:
                 task.cancel()
             self.precise.remove(r.name)
             self.approx.remove(r.name)
+            if self.parity is not None:
+                self.parity.stop(r.name)
+                if r.tokenizer in (MATCH, MISMATCH):
+                    self.metrics.tokenizer_parity.remove(r.name)
         for r in added:
+            if self.parity is not None:
+                self.parity.start(r)
+            else:
+                r.tokenizer = "engine"     # tokens-in, tokens-out: the ids are the engine's own
             if r.endpoint.kv_events and self.cfg.index.kind == "precise":
                 self._feeds[r.name] = asyncio.create_task(self._run_feed(r))
         self.ready.set()
@@ -220,6 +221,10 @@ class Gateway:
         if rec.gap or rec.restarted:
             self.metrics.kv_event_gaps.labels(r.name, "restart" if rec.restarted else "gap").inc()
 
+    def _on_parity(self, r: Replica, verdict: Verdict) -> None:
+        if verdict.state in (MATCH, MISMATCH):
+            self.metrics.tokenizer_parity.labels(r.name).set(1.0 if verdict.state == MATCH else 0.0)
+
     def _on_eject(self, r: Replica) -> None:
         self.metrics.ejections.labels(r.name).inc()
         log.warning("ejected %s: %s", r.name, r.last_error)
@@ -233,8 +238,11 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         healthy = [r.name for r in self.registry.replicas.values() if r.healthy]
         status = 200 if healthy else 503
+        mismatch = [r.name for r in self.registry.replicas.values() if r.tokenizer == MISMATCH]
         return web.json_response({"status": "ok" if healthy else "no healthy replica",
-                                  "policy": self.policy, "healthy": healthy}, status=status)
+                                  "policy": self.policy, "healthy": healthy,
+                                  "tokenizer": {"source": self.tokenizer.source, "mismatch": mismatch}},
+                                 status=status)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         # Prometheus asks for OpenMetrics when exemplar storage is on: only that format carries
@@ -259,6 +267,7 @@ class Gateway:
                           "precise_blocks": self.precise.blocks(r.name),
                           "speculative_blocks": self.precise.speculative_blocks(r.name),
                           "approximate_blocks": self.approx.blocks(r.name)},
+                "tokenizer": {"state": r.tokenizer, "detail": r.tokenizer_detail},
                 "events": {"state": r.events_state, "batches": r.events_received,
                            "gaps": r.events_gaps, "restarts": r.events_restarts, "replayed": r.events_replayed},
                 "routed": r.routed,
@@ -290,23 +299,19 @@ class Gateway:
             raise RequestError("`stream` must be a boolean", "stream")
         return payload
 
-    def _tokenize(self, payload: dict[str, Any], operation: str) -> tuple[list[int], int]:
+    async def _tokenize(self, payload: dict[str, Any], operation: str) -> tuple[list[int], int]:
+        """The prompt's token ids as the engine computes them (kvlab.tokenizer, vLLM's rules)."""
+        tok = self.tokenizer
         if operation == "chat":
-            messages = payload.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("`messages` must be a non-empty list", "messages")
-            rendered = []
-            for m in messages:
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise RequestError("each message must be an object with a string `role`", "messages")
-                rendered.append({"role": m["role"], "content": _text_of(m.get("content"))})
-            agp = payload.get("add_generation_prompt", True)
-            return self.tokenizer.encode_chat(rendered, add_generation_prompt=bool(agp))
+            return await tok.encode_chat(payload.get("messages"), **chat_args(payload))
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompt = prompt[0]   # a batch is routed by its first prompt
+        add = payload.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise RequestError("`add_special_tokens` must be a boolean", "add_special_tokens")
         if isinstance(prompt, str):
-            return self.tokenizer.encode_text(prompt)
+            return await tok.encode_text(prompt, add)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -333,7 +338,8 @@ class Gateway:
                 span.set_attribute(names.STREAM, stream)
                 with self.tracer.start_as_current_span(names.SPAN_TOKENIZE) as tspan:
                     t0 = time.perf_counter()
-                    tokens, cache_hit = self._tokenize(payload, operation)
+                    tokens, cache_hit = await self._tokenize(payload, operation)
+                    tspan.set_attribute(names.TOKENIZE_SOURCE, self.tokenizer.source)
                     dt = time.perf_counter() - t0
                     tspan.set_attribute(names.PROMPT_TOKENS, len(tokens))
                     tspan.set_attribute(names.TOKENIZE_CACHED, cache_hit)

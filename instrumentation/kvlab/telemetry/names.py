@@ -22,6 +22,7 @@ SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root
 SPAN_SCALE_ACTION = "stack.scale"
 SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
 SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
+SPAN_TOKENIZER_PROBE = "gateway.tokenizer_probe"  # tokenizer parity with a new replica (gateway/parity.py)
 
 # ---- GenAI semantic conventions ---------------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"          # "chat" | "text_completion"
@@ -61,6 +62,13 @@ SCHEDULE_KEYS_MS = "kvlab.schedule.keys_ms"                 # block hashing time
 TOKENIZE_MS = "kvlab.tokenize.ms"
 UPSTREAM_ERROR = "kvlab.upstream.error"                     # connect|status|stream|timeout
 TOKENIZE_CACHED = "kvlab.tokenize.cache_hit_tokens"
+TOKENIZE_SOURCE = "kvlab.tokenize.source"                   # local (the gateway's tokenizer) | engine (tokens-in)
+TOKENIZER_STATE = "kvlab.tokenizer.state"                   # match | tokenizer-mismatch | unverified
+EVENT_TOKENIZER_MISMATCH = "kvlab.tokenizer.mismatch"       # span event of the parity probe
+TOKENIZER_SAMPLE = "kvlab.tokenizer.sample"                 # completion | chat
+TOKENIZER_FIRST_DIFFERENCE = "kvlab.tokenizer.first_difference"  # token position
+TOKENIZER_LOCAL_ID = "kvlab.tokenizer.gateway_id"
+TOKENIZER_REPLICA_ID = "kvlab.tokenizer.replica_id"
 ENGINE_QUEUE_MS = "kvlab.engine.queue_ms"
 ENGINE_CACHED_TOKENS = "kvlab.engine.cached_tokens"
 ENGINE_COMPUTED_TOKENS = "kvlab.engine.computed_tokens"
@@ -164,3 +172,4 @@ KVLAB_KV_EVENTS_STATE = "kvlab_gateway_kv_events_state"   # gauge {replica, stat
 KVLAB_TOKENIZE_SECONDS = "kvlab_gateway_tokenize_seconds"  # histogram
 # old name -> current name: still exposed (same values) for one release, then removed (docs/observability.md)
 KVLAB_DEPRECATED_ALIASES = {"kvlab_kv_transfer_seconds": KVLAB_KV_TRANSFER_SECONDS}
+KVLAB_TOKENIZER_PARITY = "kvlab_gateway_tokenizer_parity"  # gauge {replica} 1 match, 0 mismatch (absent: unverified)

@@ -13,6 +13,7 @@ import msgspec
 
 from kvlab.engine.sim.transfer import KVTransferParams
 from kvlab.errors import RequestError
+from kvlab.tokenizer import Tokenizer
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -37,30 +38,49 @@ class _Generation(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Generation, kw_only=True):
     prompt: str | list[Any]
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None
+    add_special_tokens: bool = True            # vLLM's default: the post-processor adds BOS
 
 
 class ChatRequest(_Generation, kw_only=True):
-    messages: list[ChatMessage]
+    """`messages` stay raw JSON: the conversation is built by vLLM's rules in one place
+    (`kvlab.conversation`, through the tokenizer), for chat and /tokenize alike."""
+
+    messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False           # vLLM's default for chat: the template wrote them
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None     # vLLM: true for a prompt, false for messages
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def chat_ids(body: ChatRequest | TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt ids of a chat request (or a /tokenize request with `messages`), as vLLM makes them."""
+    text = tokenizer.render_chat(body.messages, body.add_generation_prompt,
+                                 continue_final_message=body.continue_final_message, tools=body.tools,
+                                 documents=getattr(body, "documents", None),
+                                 chat_template_kwargs=body.chat_template_kwargs)
+    return tokenizer.encode(text, bool(body.add_special_tokens))
+
+
+def tokenize_ids(body: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+    if body.messages is not None:
+        return chat_ids(body, tokenizer)
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, body.add_special_tokens is not False)
+    raise RequestError("either `prompt` or `messages` is required", param="prompt")
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -68,19 +88,3 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them; text parts are joined with newlines."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.content is None or isinstance(m.content, str):
-            content = m.content or ""
-        else:
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise RequestError(f"only text content parts are supported, got {part.type!r}",
-                                       param=f"messages[{i}].content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        out.append({"role": m.role, "content": content})
-    return out

@@ -21,7 +21,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.engine.sim.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       _Generation, message_dicts)
+                                       _Generation, chat_ids, tokenize_ids)
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
@@ -106,13 +106,7 @@ class Api:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = decode(await read_body(request, MAX_BODY_BYTES), TokenizeRequest)
         self._check_model(body.model)
-        if body.messages is not None:
-            text = self.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
-        elif body.prompt is not None:
-            text = body.prompt
-        else:
-            raise RequestError("either `prompt` or `messages` is required", param="prompt")
-        ids = self.tokenizer.encode(text)
+        ids = tokenize_ids(body, self.tokenizer)
         return _json({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -135,11 +129,11 @@ class Api:
                 raise RequestError(f"token id {t} is out of vocabulary (size {vocab})", param=param)
         return ids
 
-    def _prompt_ids(self, prompt: str | list) -> list[int]:
+    def _prompt_ids(self, prompt: str | list, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens)
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return self._prompt_ids(prompt[0])  # a batch of one
+            return self._prompt_ids(prompt[0], add_special_tokens)  # a batch of one
         if prompt and all(type(t) is int for t in prompt):
             return self._check_ids(prompt, "prompt")
         raise RequestError("`prompt` must be a string, a list of token ids, or a batch of one of them "
@@ -149,7 +143,7 @@ class Api:
         t0 = time.time_ns()
         body = decode(await read_body(request, MAX_BODY_BYTES), CompletionRequest)
         self._check_model(body.model)
-        ids = self._prompt_ids(body.prompt)
+        ids = self._prompt_ids(body.prompt, body.add_special_tokens)
         return await self._generate(request, t0, body, ids, body.max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -158,8 +152,7 @@ class Api:
         self._check_model(body.model)
         if not body.messages:
             raise RequestError("`messages` must not be empty", param="messages")
-        text = self.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
-        ids = self.tokenizer.encode(text)
+        ids = chat_ids(body, self.tokenizer)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._generate(request, t0, body, ids, max_tokens, chat=True)
 

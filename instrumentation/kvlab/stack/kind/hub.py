@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+# chat_template.jinja: where transformers 4.4x+/5.x save the template (the gateway renders chats with it)
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 
 
 def fetch_tokenizer(model: str, out: Path) -> list[Path]:
