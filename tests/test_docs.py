@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvlab.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +20,7 @@ MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOTEBOOK_SOURCES = sorted((ROOT / "labs").glob("*.py"))
 NOTEBOOKS = sorted((ROOT / "labs").glob("*.ipynb"))
 
-FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 INLINE = re.compile(r"`([^`]+)`")  # a code span may wrap onto the next line
 # `kvlab …`, `.venv/bin/kvlab …`, `!kvlab …`, `python -m kvlab.cli …`
 INVOCATION = re.compile(r"(?:^|(?<=[\s(!\"'=:;|&]))(?:[\w./-]*bin/)?(?:kvlab|python3? -m kvlab\.cli)[ \t]+(.*)$")
@@ -112,7 +111,7 @@ def invocations() -> list[tuple[str, list[str]]]:
 @functools.cache
 def _help(*command: str) -> tuple[int, str]:
     done = subprocess.run([sys.executable, "-m", "kvlab.cli", *command, "--help"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -120,10 +119,10 @@ def _nested(sub: str) -> set[str]:
     """Sub-sub-commands a command's help offers: argparse `{a,b}` choices or a `backends:` list."""
     _, text = _help(sub)
     names = set()
-    for group in re.findall(r"^  \{([\w,-]+)\}", text, re.M):  # under "positional arguments:"
+    for group in re.findall(r"^  \{([\w,-]+)\}", text, re.MULTILINE):  # under "positional arguments:"
         names |= set(group.split(","))
     if "<backend>" in text.split("\n\n")[0]:
-        names |= set(re.findall(r"^  (\w[\w-]*)\s{2,}", text, re.M))
+        names |= set(re.findall(r"^  (\w[\w-]*)\s{2,}", text, re.MULTILINE))
     return names
 
 
@@ -177,7 +176,7 @@ def test_the_check_catches_a_flag_help_does_not_list() -> None:
 
 def _make_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
-    return set(re.findall(r"^([\w-]+)\s*:(?!=)", text, re.M))
+    return set(re.findall(r"^([\w-]+)\s*:(?!=)", text, re.MULTILINE))
 
 
 def test_every_documented_make_target_exists() -> None:
