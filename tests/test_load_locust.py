@@ -60,3 +60,5 @@ def test_bench_writes_records_summary_and_locust_csv(replica, tmp_path):
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
     assert int(rows[("POST", "chat")]["Request Count"]) >= len(records) - 3   # in-flight at stop may be cut
     assert ("TTFT", "chat") in rows and ("ITL", "chat") in rows
+    report = (tmp_path / "locust.html").read_text()   # Locust's own HTML report, per phase
+    assert "<html" in report.lower() and "chat" in report and "TTFT" in report

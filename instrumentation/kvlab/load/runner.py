@@ -58,6 +58,7 @@ def locust_argv(target: str, out_dir: Path, workload: str, params: dict[str, Any
         else ["--ramp", ramp.to_json()]
     return [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", target, *load,
             "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
+            "--html", str(out_dir / "locust.html"),
             "--loglevel", "WARNING", "--exit-code-on-error", "0",
             "--workload", workload, "--workload-params", json.dumps(params or {}), "--seed", str(seed),
             "--model", model, "--phase", phase, "--policy", policy,
@@ -85,7 +86,8 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
               policy: str = "", otlp_endpoint: str | None = None,
               progress: Progress | None = None, ramp: Ramp | None = None,
               min_requests: int = 0, limit_s: float | None = None) -> dict[str, Any]:
-    """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.log.
+    """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
+    locust.log.
     With `ramp`, users follow it (`users`/`duration_s` are then taken from it).
 
     With `min_requests`, the test runs until `duration_s` has passed *and* that many requests

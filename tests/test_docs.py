@@ -1,0 +1,202 @@
+"""The docs stay true to the code: every `kvlab` command a learner copies from README.md, docs/*.md
+or a notebook names a sub-command and flags its `--help` lists, every `make` target exists, and
+every relative link points at a file in this repository (nothing outside it, like DESIGN.md)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvlab.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOTEBOOK_SOURCES = sorted((ROOT / "labs").glob("*.py"))
+NOTEBOOKS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
+INLINE = re.compile(r"`([^`]+)`")  # a code span may wrap onto the next line
+# `kvlab …`, `.venv/bin/kvlab …`, `!kvlab …`, `python -m kvlab.cli …`
+INVOCATION = re.compile(r"(?:^|(?<=[\s(!\"'=:;|&]))(?:[\w./-]*bin/)?(?:kvlab|python3? -m kvlab\.cli)[ \t]+(.*)$")
+# `kvlab` as a name, not the command: `-n kvlab`, `--name kvlab`, `namespace kvlab`, `in kvlab rolled out`
+NOT_COMMAND = re.compile(r"(?:-n|--name|--namespace|namespace|in|kind-kvlab/)\s*$")
+MAKE = re.compile(r"(?:^|(?<=[\s(;&]))make[ \t]+([a-z][\w-]*)((?:[ \t]+\w+=(?:\"[^\"]*\"|'[^']*'|\S+))*)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+OUTSIDE = re.compile(r"\b(?:DESIGN|ENVIRONMENT)\.md\b")
+
+
+def _fenced_and_inline(text: str) -> list[str]:
+    """Command-like snippets: each logical line of a fenced block, and each inline code span."""
+    snippets = []
+    for block in FENCE.findall(text):
+        snippets += block.replace("\\\n", " ").splitlines()
+    prose = FENCE.sub("", text)
+    for paragraph in re.split(r"\n\s*\n", prose):  # a stray backtick spoils one paragraph at most
+        snippets += [span.replace("\n", " ") for span in INLINE.findall(paragraph)]
+    return snippets
+
+
+def _notebook_snippets(path: Path) -> list[str]:
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        markdown = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    else:  # jupytext percent format: markdown cells are `# ` comment lines
+        lines = path.read_text().splitlines()
+        markdown = "\n".join(line[2:] for line in lines if line.startswith("# "))
+        code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    # Python, not shell: `import kvlab` and messages that name the package are not commands
+    code_lines = [line for line in code.replace("\\\n", " ").splitlines()
+                  if not re.match(r"\s*(?:import|from)\s", line)]
+    return _fenced_and_inline(markdown) + [CODE_MARK + line for line in code_lines]
+
+
+CODE_MARK = "\0"  # marks a notebook code line: unknown words after `kvlab` there are prose in strings
+
+
+def _sources() -> dict[Path, list[str]]:
+    found = {path: _fenced_and_inline(path.read_text()) for path in MARKDOWN}
+    found.update({path: _notebook_snippets(path) for path in NOTEBOOK_SOURCES + NOTEBOOKS})
+    return found
+
+
+def _strip_comment(line: str) -> str:
+    return re.sub(r"(^|\s)#.*$", "", line)
+
+
+def _words(rest: str) -> list[str]:
+    """The words of one command, up to where a shell would end it."""
+    rest = re.split(r"\s(?:&&|\|\||\||;|>|2>|<\s)\s?|\)", rest)[0]
+    try:
+        return shlex.split(rest)
+    except ValueError:  # an unbalanced quote in prose: plain split is good enough for flags
+        return rest.split()
+
+
+def _placeholder(word: str) -> bool:
+    return bool(re.match(r"^[<\[{…]|^\.\.\.|^\$", word)) or word in {"…", "..."}
+
+
+def invocations() -> list[tuple[str, list[str]]]:
+    """(where, words after `kvlab`) for every command the docs and notebooks show."""
+    found = []
+    for path, snippets in _sources().items():
+        where = str(path.relative_to(ROOT))
+        for snippet in snippets:
+            line = _strip_comment(snippet) if not snippet.lstrip().startswith(("print(", "f\"")) else snippet
+            for make in MAKE.finditer(line):
+                args = re.search(r"LAB_ARGS=(\"[^\"]*\"|'[^']*'|\S+)", make.group(2) or "")
+                if make.group(1) == "lab" and args:
+                    found.append((where, ["lab", *shlex.split(args.group(1).strip("\"'"))]))
+            in_code = line.startswith(CODE_MARK)
+            for part in re.split(r"&&|;|\|\|", line.lstrip(CODE_MARK)):
+                match = INVOCATION.search(part)
+                if not match or NOT_COMMAND.search(part[:match.start()]):
+                    continue
+                words = _words(match.group(1))
+                if words:
+                    words[0] = words[0].rstrip(":,.")
+                if not words or _placeholder(words[0]) or (in_code and words[0] not in COMMANDS):
+                    continue
+                found.append((where, words))
+    return found
+
+
+@functools.cache
+def _help(*command: str) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "kvlab.cli", *command, "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _nested(sub: str) -> set[str]:
+    """Sub-sub-commands a command's help offers: argparse `{a,b}` choices or a `backends:` list."""
+    _, text = _help(sub)
+    names = set()
+    for group in re.findall(r"^  \{([\w,-]+)\}", text, re.MULTILINE):  # under "positional arguments:"
+        names |= set(group.split(","))
+    if "<backend>" in text.split("\n\n")[0]:
+        names |= set(re.findall(r"^  (\w[\w-]*)\s{2,}", text, re.MULTILINE))
+    return names
+
+
+def problems_in(command: list[str]) -> list[str]:
+    sub, rest = command[0], command[1:]
+    if sub.startswith("-"):
+        return [] if sub in {"--help", "-h", "--version"} else [f"`kvlab {sub}`: not an option of `kvlab`"]
+    if sub not in COMMANDS:
+        return [f"`kvlab {sub}`: no such command (kvlab.cli.COMMANDS)"]
+    helps = [_help(sub)[1]]
+    nested = _nested(sub)
+    positional = next((w for w in rest if not w.startswith("-")), None)
+    if nested and positional and not _placeholder(positional):
+        alternatives = re.split(r"[|/]", positional)  # `traces list|show|explain` names several
+        unknown = [name for name in alternatives if name not in nested]
+        if unknown:
+            return [f"`kvlab {sub} {positional}`: {unknown} not in {sorted(nested)}"]
+        for name in alternatives:
+            code, text = _help(sub, name)
+            assert code == 0, text
+            helps.append(text)
+    problems = []
+    for word in rest:
+        if not word.startswith("-") or word in {"-", "--", "-h", "--help"} or _placeholder(word[2:]):
+            continue
+        flag = word.split("=", 1)[0]
+        if re.fullmatch(r"-\d.*", flag):  # a negative number as a value
+            continue
+        if not any(re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) for text in helps):
+            problems.append(f"`kvlab {' '.join(command)}`: `{flag}` is not in `kvlab {sub} --help`")
+    return problems
+
+
+def test_every_documented_command_uses_options_its_help_lists() -> None:
+    found = invocations()
+    # the scan itself works: the docs' best-known commands are found
+    subs = {words[0] for _, words in found}
+    assert {"lab", "up", "bench", "traces", "cluster", "engine"} <= subs, subs
+    assert any(w[:2] == ["lab", "--quick"] for _, w in found), "make lab LAB_ARGS=\"--quick\" not parsed"
+    problems = sorted({f"{where}: {p}" for where, words in found for p in problems_in(words)})
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_catches_a_flag_help_does_not_list() -> None:
+    assert problems_in(["lab", "--quick", "--users", "4"]) == []
+    assert problems_in(["traces", "explain", "<id>", "--run", "runs/latest"]) == []
+    assert problems_in(["lab", "--quikc"]), "a misspelt flag must be reported"
+    assert problems_in(["traces", "explian"]), "a misspelt sub-command must be reported"
+    assert problems_in(["labs"]), "an unknown command must be reported"
+
+
+def _make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return set(re.findall(r"^([\w-]+)\s*:(?!=)", text, re.MULTILINE))
+
+
+def test_every_documented_make_target_exists() -> None:
+    targets = _make_targets()
+    missing = sorted({f"{path.relative_to(ROOT)}: `make {m.group(1)}`"
+                      for path, snippets in _sources().items() for s in snippets
+                      for m in MAKE.finditer(_strip_comment(s)) if m.group(1) not in targets})
+    assert {"lab", "test", "vllm"} <= targets
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_into_the_repository(path: Path) -> None:
+    text = path.read_text()
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z][a-z+.-]*:|^#", target):  # http:, mailto:, an anchor on the page
+            continue
+        resolved = (path.parent / target.split("#")[0]).resolve()
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)}: links to missing files {broken}"
+    assert not OUTSIDE.search(text), f"{path.relative_to(ROOT)} names a file learners do not have"
