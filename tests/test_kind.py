@@ -125,7 +125,7 @@ def test_gpu_plan_in_order_without_secret_values():
     out = io.StringIO()
     plan.print_plan(create + deploy, out)
     text = out.getvalue()
-    assert "kind: Secret" not in text and "<your token>" in text
+    assert "kind: Secret" not in text and "--from-file=token=" in text and "--from-literal" not in text
     assert not re.search(r"hf_[A-Za-z0-9]{20,}", text)
 
 

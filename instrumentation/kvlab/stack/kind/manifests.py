@@ -31,7 +31,7 @@ import yaml
 from kvlab import __version__
 from kvlab.dashboards import rules
 from kvlab.errors import ConfigError
-from kvlab.stack.kind import versions
+from kvlab.stack.kind import gpu, versions
 from kvlab.topology import Pool, Topology
 
 Manifest = dict[str, Any]
@@ -71,7 +71,6 @@ class Cluster(msgspec.Struct, frozen=True, kw_only=True):
     hf_model: str = versions.VLLM_MODEL       # served under the topology's model name
     hf_token_secret: str = "hf-token"         # a Secret the user creates (key `token`); optional
     gpus_per_replica: int = 1
-    gpu_block_size: int = 16
     dashboards_dir: Path = REPO_ROOT / "dashboards"
 
     @property
@@ -269,7 +268,7 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
                             "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": "kv-events"}, separators=(",", ":"))
     args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT),
             "--served-model-name", topology.model, "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--block-size", str(cluster.gpu_block_size), "--max-model-len", str(v.max_model_len),
+            "--max-model-len", str(v.max_model_len), *gpu.vllm_args(topology),
             "--kv-events-config", kv_events, *v.extra_args]
     nixl_args, nixl_env, nixl_ports = _nixl(topology, pool)
     args += nixl_args
@@ -311,7 +310,7 @@ def replica_deployment(topology: Topology, pool: Pool, cluster: Cluster) -> Mani
     annotations = {**_scrape_annotations(API_PORT), DP_SIZE_ANNOTATION: str(pool.data_parallel_size)}
     if cluster.gpu:
         container = _vllm_container(topology, pool, cluster)
-        volumes = [_empty_dir("cache", "40Gi"), _empty_dir("tmp", "4Gi"), _empty_dir("dshm", "2Gi", "Memory")]
+        volumes = [gpu.model_cache_volume(), _empty_dir("tmp", "4Gi"), _empty_dir("dshm", "2Gi", "Memory")]
         spec: dict[str, Any] = {"runtimeClassName": "nvidia", "nodeSelector": {GPU_NODE_LABEL: "true"},
                                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
         uid = 1000
@@ -334,6 +333,8 @@ def baseline(topology: Topology, cluster: Cluster) -> list[Manifest]:
     """Replicas behind a plain Service: the cache-blind baseline (connection-level spreading)."""
     ns = cluster.namespace
     out = [namespace(cluster)]
+    if cluster.gpu:
+        out.append(gpu.model_cache_claim(ns))
     out += [replica_deployment(topology, pool, cluster) for pool in topology.pools]
     out.append(_service("kvlab-baseline", ns, _labels("baseline"), {PART_OF: "kvlab", COMPONENT: "replica"},
                         [{"name": "http", "port": API_PORT, "targetPort": "http", "protocol": "TCP",
@@ -644,11 +645,12 @@ def observability(topology: Topology, cluster: Cluster) -> list[Manifest]:
 
 # ----------------------------------------------------------------------------- GPU plumbing
 
-def gpu_support() -> list[Manifest]:
+def gpu_support(replicas_per_gpu: int = 1) -> list[Manifest]:
     """The `nvidia` RuntimeClass and NVIDIA's device plugin (what nvkind's README installs with helm).
 
     The device plugin needs the kubelet's device-plugin socket directory (a hostPath), so it runs in
-    its own namespace with the `privileged` Pod Security level; it still drops every capability."""
+    its own namespace with the `privileged` Pod Security level; it still drops every capability.
+    `replicas_per_gpu` > 1 adds the time-slicing config (gpu.time_slicing)."""
     ns = "nvidia-device-plugin"
     labels = {PART_OF: "kvlab", "app.kubernetes.io/name": "nvidia-device-plugin"}
     runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
@@ -657,12 +659,21 @@ def gpu_support() -> list[Manifest]:
                   "metadata": {"name": ns, "labels": {PART_OF: "kvlab", "pod-security.kubernetes.io/enforce": "privileged"}}}
     container = {
         "name": "nvidia-device-plugin", "image": versions.NVIDIA_DEVICE_PLUGIN_IMAGE, "imagePullPolicy": "IfNotPresent",
-        "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}, {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}],
+        "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}, {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"},
+                *([{"name": "CONFIG_FILE", "value": gpu.DEVICE_PLUGIN_CONFIG_PATH}] if replicas_per_gpu > 1 else [])],
         "resources": _resources("50m", "64Mi", "500m", "256Mi"),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
         "volumeMounts": [{"name": "device-plugin", "mountPath": "/var/lib/kubelet/device-plugins"}],
     }
+    volumes: list[dict] = [{"name": "device-plugin",
+                            "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}}]
+    extra: list[Manifest] = []
+    if replicas_per_gpu > 1:
+        extra.append(gpu.device_plugin_config(ns, labels, replicas_per_gpu))
+        container["volumeMounts"].append({"name": "config", "mountPath": gpu.DEVICE_PLUGIN_CONFIG_PATH.rsplit("/", 1)[0],
+                                          "readOnly": True})
+        volumes.append({"name": "config", "configMap": {"name": gpu.DEVICE_PLUGIN_CONFIG}})
     daemonset = {
         "apiVersion": "apps/v1", "kind": "DaemonSet",
         "metadata": _meta("nvidia-device-plugin", ns, labels),
@@ -679,13 +690,12 @@ def gpu_support() -> list[Manifest]:
                                     {"key": "CriticalAddonsOnly", "operator": "Exists"}],
                     "nodeSelector": {GPU_NODE_LABEL: "true"},
                     "containers": [container],
-                    "volumes": [{"name": "device-plugin",
-                                 "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}}],
+                    "volumes": volumes,
                 },
             },
         },
     }
-    return [runtime_class, namespace_, daemonset]
+    return [runtime_class, namespace_, *extra, daemonset]
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -695,7 +705,7 @@ def render(topology: Topology, cluster: Cluster) -> dict[str, list[Manifest]]:
     _check_name("namespace", cluster.namespace)
     phases: dict[str, list[Manifest]] = {}
     if cluster.gpu:
-        phases["gpu"] = gpu_support()
+        phases["gpu"] = gpu_support(topology.gpu.replicas_per_gpu)
     phases["baseline"] = baseline(topology, cluster)
     phases["gateway"] = gateway(topology, cluster)
     phases["observability"] = observability(topology, cluster)

@@ -72,8 +72,9 @@ def gpu_nodes(config_path: Path, cluster_name: str) -> list[str]:
     return names
 
 
-def create(cluster: m.Cluster) -> list[Step]:
-    """kind cluster (CPU or GPU); on GPU, the nvkind-style node setup, RuntimeClass and device plugin."""
+def create(cluster: m.Cluster, topology: Topology | None = None) -> list[Step]:
+    """kind cluster (CPU or GPU); on GPU, the nvkind-style node setup, RuntimeClass and device plugin
+    (time-sliced if the topology shares a GPU between replicas)."""
     config = kind_config(cluster.gpu)
     steps = [
         Step(action="run", what="check kind", argv=["kind", "version"]),
@@ -89,7 +90,7 @@ def create(cluster: m.Cluster) -> list[Step]:
             Step(action="run", what=f"install the NVIDIA container toolkit in {node}, register the nvidia runtime",
                  argv=["docker", "exec", node, "bash", "/kvlab-gpu-node.sh"]),
         ]
-    gpu = m.gpu_support()
+    gpu = m.gpu_support(topology.gpu.replicas_per_gpu if topology else 1)
     steps.append(Step(action="apply", what="gpu", manifests=gpu, context=cluster.context))
     steps += [_rollout(x, cluster.context, 300) for x in gpu if x["kind"] in ("Deployment", "DaemonSet")]
     steps.append(Step(action="gpus", what="GPUs schedulable", context=cluster.context, timeout_s=300))
@@ -125,7 +126,8 @@ def deploy(topology: Topology, cluster: m.Cluster, phase: str, build: bool = Tru
         steps.append(Step(action="note", what=(
             f"vLLM reads HF_TOKEN from the Secret {cluster.hf_token_secret!r} (key `token`) if it exists; "
             f"gated models need it: kubectl -n {cluster.namespace} create secret generic "
-            f"{cluster.hf_token_secret} --from-literal=token=<your token>")))
+            f"{cluster.hf_token_secret} --from-file=token=$HOME/.cache/huggingface/token "
+            f"(the file `hf auth login` writes; never the token itself on a command line)")))
     steps.append(Step(action="apply", what=phase, manifests=rendered, context=cluster.context))
     # the first vLLM start downloads the model
     timeout = 1800.0 if cluster.gpu and phase == "baseline" else 300.0
