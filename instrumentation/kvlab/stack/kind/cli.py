@@ -3,6 +3,7 @@
     kvlab cluster create [--gpu] [--topology NAME|FILE]   kind cluster (+ GPU node setup, device plugin)
     kvlab cluster deploy baseline|gateway|observability [--gpu] [--topology NAME|FILE]
     kvlab cluster render baseline|gateway|observability [--gpu] [--topology NAME|FILE] --out DIR
+    kvlab cluster preflight [--topology NAME|FILE]   GPU slots, nvidia-smi in a pod, image, memory, model cache
     kvlab cluster status                         deployments, pods and the URLs to use
     kvlab cluster forward [TARGET ...]           port-forwards (gateway, jaeger, prometheus, grafana)
     kvlab cluster delete
@@ -27,7 +28,7 @@ from kvlab.topology import Topology, builtin, load_topology
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["create", "delete", "deploy", "render", "status", "forward"])
+    p.add_argument("action", choices=["create", "delete", "deploy", "render", "preflight", "status", "forward"])
     p.add_argument("what", nargs="*", help="deploy, render: baseline|gateway|observability; forward: targets")
     p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
     p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
@@ -122,6 +123,21 @@ def forward_cmd(args: argparse.Namespace) -> int:
             fwd.close()
 
 
+def preflight_cmd(args: argparse.Namespace) -> int:
+    """GPU clusters: every check `deploy --gpu` relies on, failing clearly before a rollout wait."""
+    from kubernetes import client
+
+    from kvlab.stack.kind import preflight
+
+    topology = _topology(args.topology)
+    cluster = _cluster(args, topology)
+    core = client.CoreV1Api(forward.api_client(cluster.context))
+    checks = preflight.run(core, cluster, topology)
+    for c in checks:
+        print(f"{'ok ' if c.ok else 'FAIL' if c.fatal else 'note'} {c.name:<13} {c.detail}")
+    return 0 if all(c.ok or not c.fatal for c in checks) else 1
+
+
 def render_cmd(args: argparse.Namespace) -> int:
     """Write what `deploy` would apply (plan.deploy's very manifests), one YAML file per phase."""
     if args.out is None:
@@ -151,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
             Runner().run(steps)
             return 0
+        if args.action == "preflight":
+            args.gpu = True
+            return 0 if args.dry_run else preflight_cmd(args)
         if args.dry_run:
             print(f"{args.action}: reads the cluster only; nothing to plan")
             return 0
