@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.action == "preflight":
             args.gpu = True
-            return 0 if args.dry_run else preflight_cmd(args)
+            if args.dry_run:
+                print("preflight: reads the GPU nodes and runs one nvidia-smi pod; nothing to plan")
+                return 0
+            return preflight_cmd(args)
         if args.dry_run:
             print(f"{args.action}: reads the cluster only; nothing to plan")
             return 0
