@@ -124,3 +124,35 @@ def test_impossible_sharing_is_a_config_error(settings, replicas):
 def test_render_needs_out(capsys):
     assert cli.main(["render", "--gpu", "--topology", "gpu-1"]) == 1
     assert "--out" in capsys.readouterr().err
+
+
+def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
+    """One consistent DP model: a `vllm serve` per rank on API_PORT + rank (vLLM's external-LB DP),
+    which is exactly the endpoints the gateway's Kubernetes discovery makes of the pod."""
+    from kubernetes.client import V1ObjectMeta, V1Pod, V1PodStatus
+
+    from kvlab.gateway.discovery.kubernetes import pod_endpoints
+    from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind.manifests import API_PORT, KV_EVENTS_PORT, render
+
+    topology = load_topology(ROOT / "labs" / "topologies" / "wide-ep.yaml")
+    deployment = next(x for x in render(topology, m.Cluster(gpu=True))["baseline"] if x["kind"] == "Deployment")
+    template = deployment["spec"]["template"]
+    containers = template["spec"]["containers"]
+    dp = topology.pools[0].data_parallel_size
+    assert len(containers) == dp
+    served = []
+    for rank, c in enumerate(containers):
+        args = c["args"]
+        assert int(_arg(args, "--data-parallel-rank")) == rank and int(_arg(args, "--data-parallel-size")) == dp
+        http = next(p for p in c["ports"] if p["name"].startswith("http"))
+        assert int(_arg(args, "--port")) == http["containerPort"] == API_PORT + rank
+        assert c["readinessProbe"]["httpGet"]["port"] == http["name"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        kv = next(p for p in c["ports"] if p["name"].startswith("kv-events"))
+        assert kv["containerPort"] == KV_EVENTS_PORT + rank    # vLLM offsets tcp://*:5557 by the rank
+        served.append((f"http://10.0.0.7:{API_PORT + rank}", f"tcp://10.0.0.7:{KV_EVENTS_PORT + rank}"))
+    pod = V1Pod(metadata=V1ObjectMeta(name="moe-0", labels=template["metadata"]["labels"],
+                                      annotations=template["metadata"]["annotations"]),
+                status=V1PodStatus(phase="Running", pod_ip="10.0.0.7"))
+    assert [(e.url, e.kv_events) for e in pod_endpoints(pod, API_PORT, KV_EVENTS_PORT)] == served

@@ -31,6 +31,23 @@ def vllm_args(topology: Topology) -> list[str]:
     return args
 
 
+DP_RPC_PORT = 13345
+
+
+def data_parallel_args(data_parallel_size: int, rank: int) -> list[str]:
+    """A data-parallel replica on GPU is one `vllm serve` per rank in the pod (vLLM's external
+    load-balancing DP mode, `--data-parallel-rank`), each with its own API port, API_PORT + rank —
+    the port per rank the gateway's Kubernetes discovery expects. vLLM offsets each rank's KV-event
+    endpoint by its rank itself (vllm.distributed.kv_events offset_endpoint_port), so every rank is
+    given the same `tcp://*:5557` and publishes on 5557 + rank. Rank 0 hosts the DP coordination
+    (`--data-parallel-address` is the pod itself, the ranks share its network namespace)."""
+    if data_parallel_size == 1:
+        return []
+    return ["--data-parallel-size", str(data_parallel_size), "--data-parallel-rank", str(rank),
+            "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(DP_RPC_PORT)]
+
+
 def model_cache_claim(namespace: str) -> Manifest:
     """The Hugging Face / vLLM cache every vLLM pod mounts at /cache, so a restart or redeploy does
     not download the model again. kind's default StorageClass (local-path) keeps it on the GPU

@@ -262,18 +262,18 @@ def _nixl(topology: Topology, pool: Pool) -> tuple[list[str], list[dict], list[d
     return args, env, ports
 
 
-def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
+def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster, rank: int = 0) -> dict:
+    """The `vllm serve` of one data-parallel rank (the only one unless data_parallel_size > 1)."""
     v = topology.vllm
     kv_events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                             "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": "kv-events"}, separators=(",", ":"))
-    args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT),
+    args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT + rank),
             "--served-model-name", topology.model, "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--max-model-len", str(v.max_model_len), *gpu.vllm_args(topology),
             "--kv-events-config", kv_events, *v.extra_args]
     nixl_args, nixl_env, nixl_ports = _nixl(topology, pool)
     args += nixl_args
-    if pool.data_parallel_size > 1:
-        args += ["--data-parallel-size", str(pool.data_parallel_size)]
+    args += gpu.data_parallel_args(pool.data_parallel_size, rank)
     endpoint = otlp_endpoint(topology, cluster.namespace)
     if endpoint is not None:
         args += ["--otlp-traces-endpoint", endpoint.rstrip("/") + "/v1/traces", "--collect-detailed-traces", "all"]
@@ -288,16 +288,17 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
         {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
         *nixl_env, *_otel_env(topology, f"vllm-{pool.name}", cluster.namespace),
     ]
-    gpus = str(cluster.gpus_per_replica * pool.data_parallel_size)
+    ports = _replica_ports(pool.data_parallel_size)[2 * rank:2 * rank + 2] + nixl_ports[rank:rank + 1]
+    http = ports[0]["name"]
     return {
-        "name": "vllm", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
+        "name": "vllm" if pool.data_parallel_size == 1 else f"vllm-{rank}", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
         "command": ["vllm", "serve"], "args": args,
-        "ports": _replica_ports(1) + nixl_ports, "env": env,
+        "ports": ports, "env": env,
         # the first start downloads the model: allow 20 minutes before liveness applies
-        "startupProbe": _http_probe("/health", "http", 10, 120),
-        "readinessProbe": _http_probe("/health", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 15, 4),
-        "resources": _resources("2", "8Gi", "8", "24Gi", **{"nvidia.com/gpu": gpus}),
+        "startupProbe": _http_probe("/health", http, 10, 120),
+        "readinessProbe": _http_probe("/health", http, 5, 3),
+        "livenessProbe": _http_probe("/health", http, 15, 4),
+        "resources": _resources("2", "8Gi", "8", "24Gi", **{"nvidia.com/gpu": str(cluster.gpus_per_replica)}),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
@@ -309,13 +310,13 @@ def replica_deployment(topology: Topology, pool: Pool, cluster: Cluster) -> Mani
     labels = _labels("replica", **{POOL_LABEL: pool.name, ROLE_LABEL: pool.role})
     annotations = {**_scrape_annotations(API_PORT), DP_SIZE_ANNOTATION: str(pool.data_parallel_size)}
     if cluster.gpu:
-        container = _vllm_container(topology, pool, cluster)
+        containers = [_vllm_container(topology, pool, cluster, rank) for rank in range(pool.data_parallel_size)]
         volumes = [gpu.model_cache_volume(), _empty_dir("tmp", "4Gi"), _empty_dir("dshm", "2Gi", "Memory")]
         spec: dict[str, Any] = {"runtimeClassName": "nvidia", "nodeSelector": {GPU_NODE_LABEL: "true"},
                                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
         uid = 1000
     else:
-        container = _sim_container(topology, pool, cluster)
+        containers = [_sim_container(topology, pool, cluster)]
         volumes = [_empty_dir("tmp")]
         spec, uid = {}, KVLAB_UID
     spec.update({
@@ -323,7 +324,7 @@ def replica_deployment(topology: Topology, pool: Pool, cluster: Cluster) -> Mani
         "enableServiceLinks": False,
         "securityContext": _pod_security(uid),
         "terminationGracePeriodSeconds": 30,
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
     })
     return _deployment(f"kvlab-{pool.name}", cluster.namespace, labels, pool.replicas, spec, annotations)
