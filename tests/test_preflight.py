@@ -129,3 +129,27 @@ def test_too_small_a_gpu_fails_and_a_missing_cache_is_only_a_note():
     checks = _run(core, load_topology(builtin("gpu-2")))
     assert checks["GPU memory"].ok
     assert not checks["model cache"].ok and not checks["model cache"].fatal
+
+
+def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
+    """`kvlab cluster deploy baseline --gpu` runs the preflight step first; its failure ends the
+    plan with the reason, and nothing is applied or waited on."""
+    import io
+
+    import kubernetes.client
+
+    from kvlab.errors import StackError
+    from kvlab.stack.kind import cli
+    from kvlab.stack.kind.runner import Runner
+
+    core = FakeCore([_node("kvlab-worker", "1")], [_pod("Succeeded")])
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda api=None: core)
+    steps = cli.build_plan(cli._parser().parse_args(["deploy", "baseline", "--gpu", "--topology", "gpu-1", "--no-build"]))
+    runner, out = Runner(out=io.StringIO()), None
+    runner._clients["kind-kvlab"] = object()
+    applied = []
+    monkeypatch.setattr(runner, "_apply", lambda step: applied.append(step))
+    with pytest.raises(StackError, match="preflight failed"):
+        runner.run(steps)
+    out = runner.out.getvalue()
+    assert "FAIL GPU slots" in out and "4 replicas need 4" in out and not applied

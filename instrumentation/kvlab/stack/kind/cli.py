@@ -132,10 +132,9 @@ def preflight_cmd(args: argparse.Namespace) -> int:
     topology = _topology(args.topology)
     cluster = _cluster(args, topology)
     core = client.CoreV1Api(forward.api_client(cluster.context))
-    checks = preflight.run(core, cluster, topology)
-    for c in checks:
-        print(f"{'ok ' if c.ok else 'FAIL' if c.fatal else 'note'} {c.name:<13} {c.detail}")
-    return 0 if all(c.ok or not c.fatal for c in checks) else 1
+    passed, lines = preflight.report(preflight.run(core, cluster, topology))
+    print("\n".join(lines))
+    return 0 if passed else 1
 
 
 def render_cmd(args: argparse.Namespace) -> int:

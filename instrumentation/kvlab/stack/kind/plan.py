@@ -21,7 +21,7 @@ KIND_DIR = m.REPO_ROOT / "kind"
 DOCKERFILE = KIND_DIR / "images" / "Dockerfile"
 GPU_NODE_SCRIPT = KIND_DIR / "gpu-node.sh"
 
-Action = Literal["run", "apply", "rollout", "gpus", "note"]
+Action = Literal["run", "apply", "rollout", "gpus", "preflight", "note"]
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +36,8 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     kind: str | None = None                     # rollout: Deployment | DaemonSet
     name: str | None = None                     # rollout
     timeout_s: float = 300.0
+    topology: Topology | None = None            # preflight
+    cluster: m.Cluster | None = None            # preflight
 
     def describe(self) -> str:
         if self.action == "run":
@@ -48,6 +50,9 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
                     f"(context {self.context}, timeout {self.timeout_s:.0f}s)")
         if self.action == "gpus":
             return f"wait: a node reports allocatable nvidia.com/gpu (context {self.context}, timeout {self.timeout_s:.0f}s)"
+        if self.action == "preflight":
+            return (f"preflight (context {self.context}): GPU slots, nvidia-smi in a pod (pulls the vLLM image), "
+                    f"GPU memory, model cache")
         return f"note: {self.what}"
 
 
@@ -128,6 +133,10 @@ def deploy(topology: Topology, cluster: m.Cluster, phase: str, build: bool = Tru
             f"gated models need it: kubectl -n {cluster.namespace} create secret generic "
             f"{cluster.hf_token_secret} --from-file=token=$HOME/.cache/huggingface/token "
             f"(the file `hf auth login` writes; never the token itself on a command line)")))
+    if phase == "baseline" and cluster.gpu:
+        # clear failures (no GPU slots, image, runtime, memory) before the 30-minute rollout wait
+        steps.append(Step(action="preflight", what="preflight", context=cluster.context,
+                          topology=topology, cluster=cluster, timeout_s=1200))
     steps.append(Step(action="apply", what=phase, manifests=rendered, context=cluster.context))
     # the first vLLM start downloads the model
     timeout = 1800.0 if cluster.gpu and phase == "baseline" else 300.0

@@ -151,6 +151,12 @@ def model_cache(core: Any, cluster: m.Cluster) -> Check:
     return Check("model cache", True, f"{gpu.MODEL_CACHE_CLAIM} {claim.status.phase}, kept across redeploys")
 
 
+def report(checks: list[Check]) -> tuple[bool, list[str]]:
+    """(passed, one line per check) — a failed fatal check fails the whole preflight."""
+    lines = [f"{'ok ' if c.ok else 'FAIL' if c.fatal else 'note'} {c.name:<13} {c.detail}" for c in checks]
+    return all(c.ok or not c.fatal for c in checks), lines
+
+
 def run(core: Any, cluster: m.Cluster, topology: Topology, say: Callable[[str], None] = print,
         timeout_s: float = 1200.0, poll_s: float = 2.0) -> list[Check]:
     """Every check, stopping at the first fatal failure (later ones would only repeat it)."""
