@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("kubernetes")
-from kubernetes.client import (  # noqa: E402
+from kubernetes.client import (
     V1ContainerState,
     V1ContainerStateWaiting,
     V1ContainerStatus,
@@ -21,11 +21,10 @@ from kubernetes.client import (  # noqa: E402
     V1PodCondition,
     V1PodStatus,
 )
-from kubernetes.client.exceptions import ApiException  # noqa: E402
-
-from kvlab.stack.kind import preflight, versions  # noqa: E402
-from kvlab.stack.kind.manifests import GPU_NODE_LABEL, Cluster  # noqa: E402
-from kvlab.topology import builtin, load_topology  # noqa: E402
+from kubernetes.client.exceptions import ApiException
+from kvlab.stack.kind import preflight, versions
+from kvlab.stack.kind.manifests import GPU_NODE_LABEL, Cluster
+from kvlab.topology import builtin, load_topology
 
 GPU1 = load_topology(builtin("gpu-1"))          # 4 replicas, 4 slots on one GPU, sized for 22 GiB
 
@@ -137,7 +136,6 @@ def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
     import io
 
     import kubernetes.client
-
     from kvlab.errors import StackError
     from kvlab.stack.kind import cli
     from kvlab.stack.kind.runner import Runner
@@ -145,7 +143,7 @@ def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
     core = FakeCore([_node("kvlab-worker", "1")], [_pod("Succeeded")])
     monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda api=None: core)
     steps = cli.build_plan(cli._parser().parse_args(["deploy", "baseline", "--gpu", "--topology", "gpu-1", "--no-build"]))
-    runner, out = Runner(out=io.StringIO()), None
+    runner = Runner(out=io.StringIO())
     runner._clients["kind-kvlab"] = object()
     applied = []
     monkeypatch.setattr(runner, "_apply", lambda step: applied.append(step))
