@@ -118,14 +118,15 @@ def test_gpu_plan_in_order_without_secret_values():
     assert {x["kind"] for x in create[4].manifests} == {"RuntimeClass", "Namespace", "DaemonSet"}
 
     deploy = _steps(["deploy", "baseline", "gateway", "--gpu", "--hf-model", "Qwen/Qwen3-0.6B"])
-    assert [s.action for s in deploy] == ["run", "run", "note", "apply", "rollout", "apply", "rollout"]
-    replicas = next(x for x in deploy[3].manifests if x["kind"] == "Deployment")
+    # preflight before anything of the GPU phase is applied, so no rollout wait hides a missing GPU
+    assert [s.action for s in deploy] == ["run", "run", "note", "preflight", "apply", "rollout", "apply", "rollout"]
+    replicas = next(x for x in deploy[4].manifests if x["kind"] == "Deployment")
     assert replicas["spec"]["template"]["spec"]["containers"][0]["image"] == versions.VLLM_IMAGE
-    assert deploy[4].timeout_s >= 1200  # the model download
+    assert deploy[5].timeout_s >= 1200  # the model download
     out = io.StringIO()
     plan.print_plan(create + deploy, out)
     text = out.getvalue()
-    assert "kind: Secret" not in text and "<your token>" in text
+    assert "kind: Secret" not in text and "--from-file=token=" in text and "--from-literal" not in text
     assert not re.search(r"hf_[A-Za-z0-9]{20,}", text)
 
 

@@ -79,7 +79,9 @@ def test_a_users_own_kv_transfer_config_wins():
 def test_data_parallel_ranks_get_one_side_channel_port_each():
     topo = Topology(pools=[Pool(name="prefill", role="prefill", replicas=1),
                            Pool(name="decode", role="decode", replicas=1, data_parallel_size=2)])
-    ports = {p["name"]: p["containerPort"] for p in _replica_containers(topo, gpu=True)["decode"]["ports"]}
+    # one `vllm serve` per rank (container), each with its own side channel port
+    containers = _deployments(topo, True)["kvlab-decode"]["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for c in containers for p in c["ports"]}
     assert ports["nixl"] == NIXL_SIDE_CHANNEL_PORT and ports["nixl-1"] == NIXL_SIDE_CHANNEL_PORT + 1
 
 

@@ -59,6 +59,27 @@ class VllmSettings(Strict):
     extra_args: list[str] = []
 
 
+class GpuSettings(Strict):
+    """vLLM on NVIDIA GPUs in kind (`kvlab cluster --gpu`, docs/kind.md). Several replicas can share
+    one GPU: the device plugin's time-slicing hands out `replicas_per_gpu` slots per GPU and each
+    replica takes `memory_utilization` of its GPU's memory."""
+
+    model: str | None = None        # Hugging Face model vLLM serves; None: `--hf-model` or the pinned one
+    gpus: int = 1                   # physical GPUs the topology is sized for (preflight checks them)
+    replicas_per_gpu: int = 1       # >1: time-slicing, every replica gets a slice of a GPU
+    memory_utilization: float = 0.9  # --gpu-memory-utilization of each replica
+    block_size: int = 16
+    num_blocks: int | None = None   # cap the KV cache (--num-gpu-blocks-override), the lab's lever
+    min_gpu_memory_gib: float | None = None  # per GPU; what the slices were sized for
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.replicas_per_gpu < 1:
+            raise ConfigError("topology: gpu.gpus and gpu.replicas_per_gpu must be >= 1")
+        if not 0 < self.memory_utilization * self.replicas_per_gpu <= 0.95:
+            raise ConfigError(f"topology: {self.replicas_per_gpu} replicas x gpu.memory_utilization "
+                              f"{self.memory_utilization} must fit in 95 % of a GPU")
+
+
 class GatewaySettings(Strict):
     policy: str = "kv-aware"
     config: str | None = None       # scheduler YAML (weights, thresholds); None = the policy preset
@@ -83,6 +104,7 @@ class Topology(Strict):
     pools: list[Pool] = msgspec.field(default_factory=lambda: [Pool()])
     sim: SimSettings = SimSettings()
     vllm: VllmSettings = VllmSettings()
+    gpu: GpuSettings = GpuSettings()
     gateway: GatewaySettings = GatewaySettings()
     observability: ObservabilitySettings = ObservabilitySettings()
 
@@ -95,6 +117,11 @@ class Topology(Strict):
         for p in self.pools:
             if p.replicas < 0 or p.data_parallel_size < 1:
                 raise ConfigError(f"topology: pool {p.name!r} needs replicas >= 0 and data_parallel_size >= 1")
+
+        slots = self.gpu.gpus * self.gpu.replicas_per_gpu
+        if self.gpu.replicas_per_gpu > 1 and self.total_replicas > slots:
+            raise ConfigError(f"topology: {self.total_replicas} replicas need more than the {slots} GPU slots "
+                              f"(gpu.gpus x gpu.replicas_per_gpu)")
 
     @property
     def total_replicas(self) -> int:

@@ -1,7 +1,9 @@
 """`kvlab cluster`: the kind path.
 
-    kvlab cluster create [--gpu]                 kind cluster (+ GPU node setup, device plugin)
+    kvlab cluster create [--gpu] [--topology NAME|FILE]   kind cluster (+ GPU node setup, device plugin)
     kvlab cluster deploy baseline|gateway|observability [--gpu] [--topology NAME|FILE]
+    kvlab cluster render baseline|gateway|observability [--gpu] [--topology NAME|FILE] --out DIR
+    kvlab cluster preflight [--topology NAME|FILE]   GPU slots, nvidia-smi in a pod, image, memory, model cache
     kvlab cluster status                         deployments, pods and the URLs to use
     kvlab cluster forward [TARGET ...]           port-forwards (gateway, jaeger, prometheus, grafana)
     kvlab cluster delete
@@ -26,15 +28,17 @@ from kvlab.topology import Topology, builtin, load_topology
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["create", "delete", "deploy", "status", "forward"])
-    p.add_argument("what", nargs="*", help="deploy: baseline|gateway|observability; forward: targets")
+    p.add_argument("action", choices=["create", "delete", "deploy", "render", "preflight", "status", "forward"])
+    p.add_argument("what", nargs="*", help="deploy, render: baseline|gateway|observability; forward: targets")
     p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
     p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
     p.add_argument("--namespace", default="kvlab")
     p.add_argument("--topology", default="quickstart", help="a shipped topology name or a YAML file")
     p.add_argument("--image", default=f"kvlab:{__version__}", help="the kvlab image (gateway + simulator)")
     p.add_argument("--no-build", action="store_true", help="deploy: do not build/load the kvlab image")
-    p.add_argument("--hf-model", default=m.versions.VLLM_MODEL, help="GPU: the Hugging Face model vLLM serves")
+    p.add_argument("--hf-model", default=None,
+                   help=f"GPU: the Hugging Face model vLLM serves (default: the topology's gpu.model, else {m.versions.VLLM_MODEL})")
+    p.add_argument("--out", type=Path, help="render: the directory the YAML files are written to")
     p.add_argument("--dry-run", action="store_true", help="print the steps and manifests; touch nothing")
     return p
 
@@ -44,21 +48,27 @@ def _topology(spec: str) -> Topology:
     return load_topology(path if path.suffix in (".yaml", ".yml") else builtin(spec))
 
 
-def _cluster(args: argparse.Namespace) -> m.Cluster:
-    return m.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=args.hf_model)
+def _cluster(args: argparse.Namespace, topology: Topology) -> m.Cluster:
+    hf_model = args.hf_model or topology.gpu.model or m.versions.VLLM_MODEL
+    return m.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=hf_model)
 
 
-def build_plan(args: argparse.Namespace) -> list[plan.Step]:
-    cluster = _cluster(args)
-    if args.action == "create":
-        return plan.create(cluster)
-    if args.action == "delete":
-        return plan.delete(cluster)
+def _phases(args: argparse.Namespace) -> list[str]:
     phases = args.what or ["observability", "baseline", "gateway"]
     unknown = [x for x in phases if x not in m.PHASES]
     if unknown:
-        raise KvlabError(f"deploy: unknown phase(s) {unknown}; choose from {', '.join(m.PHASES)}")
+        raise KvlabError(f"{args.action}: unknown phase(s) {unknown}; choose from {', '.join(m.PHASES)}")
+    return phases
+
+
+def build_plan(args: argparse.Namespace) -> list[plan.Step]:
     topology = _topology(args.topology)
+    cluster = _cluster(args, topology)
+    if args.action == "create":
+        return plan.create(cluster, topology)
+    if args.action == "delete":
+        return plan.delete(cluster)
+    phases = _phases(args)
     steps: list[plan.Step] = []
     built = False
     for phase in phases:
@@ -113,9 +123,40 @@ def forward_cmd(args: argparse.Namespace) -> int:
             fwd.close()
 
 
+def preflight_cmd(args: argparse.Namespace) -> int:
+    """GPU clusters: every check `deploy --gpu` relies on, failing clearly before a rollout wait."""
+    from kubernetes import client
+
+    from kvlab.stack.kind import preflight
+
+    topology = _topology(args.topology)
+    cluster = _cluster(args, topology)
+    core = client.CoreV1Api(forward.api_client(cluster.context))
+    passed, lines = preflight.report(preflight.run(core, cluster, topology))
+    print("\n".join(lines))
+    return 0 if passed else 1
+
+
+def render_cmd(args: argparse.Namespace) -> int:
+    """Write what `deploy` would apply (plan.deploy's very manifests), one YAML file per phase."""
+    if args.out is None:
+        raise KvlabError("render: --out DIR is required")
+    steps = build_plan(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        if step.action == "apply":
+            path = args.out / f"{step.what}.yaml"
+            path.write_text(m.to_yaml(step.manifests))
+            print(f"{path}  ({len(step.manifests)} objects)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.action == "render":
+            args.no_build = True
+            return render_cmd(args)
         if args.action in ("create", "delete", "deploy"):
             steps = build_plan(args)
             if args.dry_run:
@@ -125,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
 
             Runner().run(steps)
             return 0
+        if args.action == "preflight":
+            args.gpu = True
+            if args.dry_run:
+                print("preflight: reads the GPU nodes and runs one nvidia-smi pod; nothing to plan")
+                return 0
+            return preflight_cmd(args)
         if args.dry_run:
             print(f"{args.action}: reads the cluster only; nothing to plan")
             return 0

@@ -31,7 +31,7 @@ import yaml
 from kvlab import __version__
 from kvlab.dashboards import rules
 from kvlab.errors import ConfigError
-from kvlab.stack.kind import versions
+from kvlab.stack.kind import gpu, versions
 from kvlab.topology import Pool, Topology
 
 Manifest = dict[str, Any]
@@ -71,7 +71,6 @@ class Cluster(msgspec.Struct, frozen=True, kw_only=True):
     hf_model: str = versions.VLLM_MODEL       # served under the topology's model name
     hf_token_secret: str = "hf-token"         # a Secret the user creates (key `token`); optional
     gpus_per_replica: int = 1
-    gpu_block_size: int = 16
     dashboards_dir: Path = REPO_ROOT / "dashboards"
 
     @property
@@ -263,18 +262,18 @@ def _nixl(topology: Topology, pool: Pool) -> tuple[list[str], list[dict], list[d
     return args, env, ports
 
 
-def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
+def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster, rank: int = 0) -> dict:
+    """The `vllm serve` of one data-parallel rank (the only one unless data_parallel_size > 1)."""
     v = topology.vllm
     kv_events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                             "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": "kv-events"}, separators=(",", ":"))
-    args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT),
+    args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT + rank),
             "--served-model-name", topology.model, "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--block-size", str(cluster.gpu_block_size), "--max-model-len", str(v.max_model_len),
+            "--max-model-len", str(v.max_model_len), *gpu.vllm_args(topology),
             "--kv-events-config", kv_events, *v.extra_args]
     nixl_args, nixl_env, nixl_ports = _nixl(topology, pool)
     args += nixl_args
-    if pool.data_parallel_size > 1:
-        args += ["--data-parallel-size", str(pool.data_parallel_size)]
+    args += gpu.data_parallel_args(pool.data_parallel_size, rank)
     endpoint = otlp_endpoint(topology, cluster.namespace)
     if endpoint is not None:
         args += ["--otlp-traces-endpoint", endpoint.rstrip("/") + "/v1/traces", "--collect-detailed-traces", "all"]
@@ -289,16 +288,17 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
         {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
         *nixl_env, *_otel_env(topology, f"vllm-{pool.name}", cluster.namespace),
     ]
-    gpus = str(cluster.gpus_per_replica * pool.data_parallel_size)
+    ports = _replica_ports(pool.data_parallel_size)[2 * rank:2 * rank + 2] + nixl_ports[rank:rank + 1]
+    http = ports[0]["name"]
     return {
-        "name": "vllm", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
+        "name": "vllm" if pool.data_parallel_size == 1 else f"vllm-{rank}", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
         "command": ["vllm", "serve"], "args": args,
-        "ports": _replica_ports(1) + nixl_ports, "env": env,
+        "ports": ports, "env": env,
         # the first start downloads the model: allow 20 minutes before liveness applies
-        "startupProbe": _http_probe("/health", "http", 10, 120),
-        "readinessProbe": _http_probe("/health", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 15, 4),
-        "resources": _resources("2", "8Gi", "8", "24Gi", **{"nvidia.com/gpu": gpus}),
+        "startupProbe": _http_probe("/health", http, 10, 120),
+        "readinessProbe": _http_probe("/health", http, 5, 3),
+        "livenessProbe": _http_probe("/health", http, 15, 4),
+        "resources": _resources("2", "8Gi", "8", "24Gi", **{"nvidia.com/gpu": str(cluster.gpus_per_replica)}),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
@@ -310,13 +310,13 @@ def replica_deployment(topology: Topology, pool: Pool, cluster: Cluster) -> Mani
     labels = _labels("replica", **{POOL_LABEL: pool.name, ROLE_LABEL: pool.role})
     annotations = {**_scrape_annotations(API_PORT), DP_SIZE_ANNOTATION: str(pool.data_parallel_size)}
     if cluster.gpu:
-        container = _vllm_container(topology, pool, cluster)
-        volumes = [_empty_dir("cache", "40Gi"), _empty_dir("tmp", "4Gi"), _empty_dir("dshm", "2Gi", "Memory")]
+        containers = [_vllm_container(topology, pool, cluster, rank) for rank in range(pool.data_parallel_size)]
+        volumes = [gpu.model_cache_volume(), _empty_dir("tmp", "4Gi"), _empty_dir("dshm", "2Gi", "Memory")]
         spec: dict[str, Any] = {"runtimeClassName": "nvidia", "nodeSelector": {GPU_NODE_LABEL: "true"},
                                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
         uid = 1000
     else:
-        container = _sim_container(topology, pool, cluster)
+        containers = [_sim_container(topology, pool, cluster)]
         volumes = [_empty_dir("tmp")]
         spec, uid = {}, KVLAB_UID
     spec.update({
@@ -324,7 +324,7 @@ def replica_deployment(topology: Topology, pool: Pool, cluster: Cluster) -> Mani
         "enableServiceLinks": False,
         "securityContext": _pod_security(uid),
         "terminationGracePeriodSeconds": 30,
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
     })
     return _deployment(f"kvlab-{pool.name}", cluster.namespace, labels, pool.replicas, spec, annotations)
@@ -334,6 +334,8 @@ def baseline(topology: Topology, cluster: Cluster) -> list[Manifest]:
     """Replicas behind a plain Service: the cache-blind baseline (connection-level spreading)."""
     ns = cluster.namespace
     out = [namespace(cluster)]
+    if cluster.gpu:
+        out.append(gpu.model_cache_claim(ns))
     out += [replica_deployment(topology, pool, cluster) for pool in topology.pools]
     out.append(_service("kvlab-baseline", ns, _labels("baseline"), {PART_OF: "kvlab", COMPONENT: "replica"},
                         [{"name": "http", "port": API_PORT, "targetPort": "http", "protocol": "TCP",
@@ -644,11 +646,12 @@ def observability(topology: Topology, cluster: Cluster) -> list[Manifest]:
 
 # ----------------------------------------------------------------------------- GPU plumbing
 
-def gpu_support() -> list[Manifest]:
+def gpu_support(replicas_per_gpu: int = 1) -> list[Manifest]:
     """The `nvidia` RuntimeClass and NVIDIA's device plugin (what nvkind's README installs with helm).
 
     The device plugin needs the kubelet's device-plugin socket directory (a hostPath), so it runs in
-    its own namespace with the `privileged` Pod Security level; it still drops every capability."""
+    its own namespace with the `privileged` Pod Security level; it still drops every capability.
+    `replicas_per_gpu` > 1 adds the time-slicing config (gpu.time_slicing)."""
     ns = "nvidia-device-plugin"
     labels = {PART_OF: "kvlab", "app.kubernetes.io/name": "nvidia-device-plugin"}
     runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
@@ -657,12 +660,21 @@ def gpu_support() -> list[Manifest]:
                   "metadata": {"name": ns, "labels": {PART_OF: "kvlab", "pod-security.kubernetes.io/enforce": "privileged"}}}
     container = {
         "name": "nvidia-device-plugin", "image": versions.NVIDIA_DEVICE_PLUGIN_IMAGE, "imagePullPolicy": "IfNotPresent",
-        "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}, {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}],
+        "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}, {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"},
+                *([{"name": "CONFIG_FILE", "value": gpu.DEVICE_PLUGIN_CONFIG_PATH}] if replicas_per_gpu > 1 else [])],
         "resources": _resources("50m", "64Mi", "500m", "256Mi"),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
         "volumeMounts": [{"name": "device-plugin", "mountPath": "/var/lib/kubelet/device-plugins"}],
     }
+    volumes: list[dict] = [{"name": "device-plugin",
+                            "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}}]
+    extra: list[Manifest] = []
+    if replicas_per_gpu > 1:
+        extra.append(gpu.device_plugin_config(ns, labels, replicas_per_gpu))
+        container["volumeMounts"].append({"name": "config", "mountPath": gpu.DEVICE_PLUGIN_CONFIG_PATH.rsplit("/", 1)[0],
+                                          "readOnly": True})
+        volumes.append({"name": "config", "configMap": {"name": gpu.DEVICE_PLUGIN_CONFIG}})
     daemonset = {
         "apiVersion": "apps/v1", "kind": "DaemonSet",
         "metadata": _meta("nvidia-device-plugin", ns, labels),
@@ -679,13 +691,12 @@ def gpu_support() -> list[Manifest]:
                                     {"key": "CriticalAddonsOnly", "operator": "Exists"}],
                     "nodeSelector": {GPU_NODE_LABEL: "true"},
                     "containers": [container],
-                    "volumes": [{"name": "device-plugin",
-                                 "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}}],
+                    "volumes": volumes,
                 },
             },
         },
     }
-    return [runtime_class, namespace_, daemonset]
+    return [runtime_class, namespace_, *extra, daemonset]
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -695,7 +706,7 @@ def render(topology: Topology, cluster: Cluster) -> dict[str, list[Manifest]]:
     _check_name("namespace", cluster.namespace)
     phases: dict[str, list[Manifest]] = {}
     if cluster.gpu:
-        phases["gpu"] = gpu_support()
+        phases["gpu"] = gpu_support(topology.gpu.replicas_per_gpu)
     phases["baseline"] = baseline(topology, cluster)
     phases["gateway"] = gateway(topology, cluster)
     phases["observability"] = observability(topology, cluster)

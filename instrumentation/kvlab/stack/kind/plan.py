@@ -21,7 +21,7 @@ KIND_DIR = m.REPO_ROOT / "kind"
 DOCKERFILE = KIND_DIR / "images" / "Dockerfile"
 GPU_NODE_SCRIPT = KIND_DIR / "gpu-node.sh"
 
-Action = Literal["run", "apply", "rollout", "gpus", "note"]
+Action = Literal["run", "apply", "rollout", "gpus", "preflight", "note"]
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +36,8 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     kind: str | None = None                     # rollout: Deployment | DaemonSet
     name: str | None = None                     # rollout
     timeout_s: float = 300.0
+    topology: Topology | None = None            # preflight
+    cluster: m.Cluster | None = None            # preflight
 
     def describe(self) -> str:
         if self.action == "run":
@@ -48,6 +50,9 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
                     f"(context {self.context}, timeout {self.timeout_s:.0f}s)")
         if self.action == "gpus":
             return f"wait: a node reports allocatable nvidia.com/gpu (context {self.context}, timeout {self.timeout_s:.0f}s)"
+        if self.action == "preflight":
+            return (f"preflight (context {self.context}): GPU slots, nvidia-smi in a pod (pulls the vLLM image), "
+                    f"GPU memory, model cache")
         return f"note: {self.what}"
 
 
@@ -72,8 +77,9 @@ def gpu_nodes(config_path: Path, cluster_name: str) -> list[str]:
     return names
 
 
-def create(cluster: m.Cluster) -> list[Step]:
-    """kind cluster (CPU or GPU); on GPU, the nvkind-style node setup, RuntimeClass and device plugin."""
+def create(cluster: m.Cluster, topology: Topology | None = None) -> list[Step]:
+    """kind cluster (CPU or GPU); on GPU, the nvkind-style node setup, RuntimeClass and device plugin
+    (time-sliced if the topology shares a GPU between replicas)."""
     config = kind_config(cluster.gpu)
     steps = [
         Step(action="run", what="check kind", argv=["kind", "version"]),
@@ -89,7 +95,7 @@ def create(cluster: m.Cluster) -> list[Step]:
             Step(action="run", what=f"install the NVIDIA container toolkit in {node}, register the nvidia runtime",
                  argv=["docker", "exec", node, "bash", "/kvlab-gpu-node.sh"]),
         ]
-    gpu = m.gpu_support()
+    gpu = m.gpu_support(topology.gpu.replicas_per_gpu if topology else 1)
     steps.append(Step(action="apply", what="gpu", manifests=gpu, context=cluster.context))
     steps += [_rollout(x, cluster.context, 300) for x in gpu if x["kind"] in ("Deployment", "DaemonSet")]
     steps.append(Step(action="gpus", what="GPUs schedulable", context=cluster.context, timeout_s=300))
@@ -125,7 +131,12 @@ def deploy(topology: Topology, cluster: m.Cluster, phase: str, build: bool = Tru
         steps.append(Step(action="note", what=(
             f"vLLM reads HF_TOKEN from the Secret {cluster.hf_token_secret!r} (key `token`) if it exists; "
             f"gated models need it: kubectl -n {cluster.namespace} create secret generic "
-            f"{cluster.hf_token_secret} --from-literal=token=<your token>")))
+            f"{cluster.hf_token_secret} --from-file=token=$HOME/.cache/huggingface/token "
+            f"(the file `hf auth login` writes; never the token itself on a command line)")))
+    if phase == "baseline" and cluster.gpu:
+        # clear failures (no GPU slots, image, runtime, memory) before the 30-minute rollout wait
+        steps.append(Step(action="preflight", what="preflight", context=cluster.context,
+                          topology=topology, cluster=cluster, timeout_s=1200))
     steps.append(Step(action="apply", what=phase, manifests=rendered, context=cluster.context))
     # the first vLLM start downloads the model
     timeout = 1800.0 if cluster.gpu and phase == "baseline" else 300.0

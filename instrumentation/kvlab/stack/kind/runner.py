@@ -88,6 +88,23 @@ class Runner:
                                  f"see `kubectl -n {step.namespace} describe pods` and docs/kind.md 'Troubleshooting'")
             time.sleep(2)
 
+    def _preflight(self, step: Step) -> None:
+        from kubernetes import client
+
+        from kvlab.stack.kind import preflight
+
+        assert step.topology is not None and step.cluster is not None
+        core = client.CoreV1Api(self._client(step.context))
+        def say(line: str) -> None:
+            print(line, file=self.out, flush=True)
+
+        passed, lines = preflight.report(preflight.run(core, step.cluster, step.topology, say, step.timeout_s))
+        for line in lines:
+            say(f"    {line}")
+        if not passed:
+            raise StackError("preflight failed (above): fix it, then `kvlab cluster preflight --topology "
+                             f"{step.topology.name}`; see docs/kind.md, 'Troubleshooting'")
+
     def _gpus(self, step: Step) -> None:
         from kubernetes import client
 

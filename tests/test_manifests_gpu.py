@@ -1,0 +1,155 @@
+"""The GPU topologies as `kvlab cluster render --gpu` writes them: strict schema validation, and
+the lab's GPU levers present and consistent — the KV cap and memory slice vLLM runs with, the
+time-sliced device plugin that lets the replicas share GPUs, the persistent model cache and the
+HF token Secret (referenced, never a value)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import IN_CI
+from kvlab.errors import ConfigError
+from kvlab.stack.kind import cli, gpu, versions
+from kvlab.topology import GpuSettings, Pool, Topology, load_topology
+
+if not IN_CI:
+    pytest.importorskip("kubernetes_validate")
+import kubernetes_validate
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_TOPOLOGIES = sorted((ROOT / "labs" / "topologies").glob("gpu-*.yaml"))
+
+
+def _render(topology: Path, out: Path, *phases: str) -> dict[str, list[dict]]:
+    subprocess.run([sys.executable, "-m", "kvlab.cli", "cluster", "render", *phases, "--gpu",
+                    "--topology", str(topology), "--out", str(out)], check=True, capture_output=True, text=True)
+    return {p.stem: list(yaml.safe_load_all(p.read_text())) for p in sorted(out.glob("*.yaml"))}
+
+
+def _arg(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, f"{flag} given {args.count(flag)} times in {args}"
+    return args[args.index(flag) + 1]
+
+
+@pytest.fixture(scope="module", params=[p.stem for p in GPU_TOPOLOGIES])
+def rendered(request, tmp_path_factory):
+    path = ROOT / "labs" / "topologies" / f"{request.param}.yaml"
+    return load_topology(path), _render(path, tmp_path_factory.mktemp(request.param))
+
+
+def test_gpu_topologies_for_one_two_and_four_gpus():
+    assert sorted(load_topology(p).gpu.gpus for p in GPU_TOPOLOGIES) == [1, 2, 4]
+
+
+def test_rendered_files_validate_strictly(rendered):
+    _, files = rendered
+    assert sorted(files) == ["baseline", "gateway", "observability"]
+    for phase, manifests in files.items():
+        for x in manifests:
+            try:
+                kubernetes_validate.validate(x, versions.KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{phase}: {x['kind']}/{x['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+def test_render_writes_what_deploy_applies(tmp_path):
+    path = ROOT / "labs" / "topologies" / "gpu-1.yaml"
+    files = _render(path, tmp_path, "baseline")
+    args = cli._parser().parse_args(["deploy", "baseline", "--gpu", "--topology", str(path), "--no-build"])
+    applied = [s.manifests for s in cli.build_plan(args) if s.action == "apply"]
+    assert files == {"baseline": applied[0]}
+
+
+def test_kv_cap_memory_slice_cache_and_secret(rendered):
+    topology, files = rendered
+    deployments = [x for x in files["baseline"] if x["kind"] == "Deployment"]
+    assert sum(d["spec"]["replicas"] for d in deployments) == topology.total_replicas
+    claims = [x for x in files["baseline"] if x["kind"] == "PersistentVolumeClaim"]
+    assert [c["metadata"]["name"] for c in claims] == [gpu.MODEL_CACHE_CLAIM]
+    for d in deployments:
+        spec = d["spec"]["template"]["spec"]
+        (vllm,) = spec["containers"]
+        args = vllm["args"]
+        assert args[0] == topology.gpu.model
+        assert int(_arg(args, "--num-gpu-blocks-override")) == topology.gpu.num_blocks
+        assert int(_arg(args, "--block-size")) == topology.gpu.block_size
+        share = float(_arg(args, "--gpu-memory-utilization"))
+        assert share == topology.gpu.memory_utilization and share * topology.gpu.replicas_per_gpu <= 0.95
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        # the model cache outlives the pod: /cache is the claim, not an emptyDir
+        cache = next(v for v in spec["volumes"] if v["name"] == "cache")
+        assert cache == {"name": "cache", "persistentVolumeClaim": {"claimName": gpu.MODEL_CACHE_CLAIM}}
+        assert {"name": "cache", "mountPath": "/cache"} in vllm["volumeMounts"]
+        assert {"name": "HF_HOME", "value": "/cache/huggingface"} in vllm["env"]
+        token = next(e for e in vllm["env"] if e["name"] == "HF_TOKEN")
+        assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token",
+                                                                            "optional": True}}}
+
+
+def test_device_plugin_time_slices_as_the_topology_shares(rendered):
+    topology, _ = rendered
+    manifests = cli.build_plan(cli._parser().parse_args(
+        ["create", "--gpu", "--topology", f"labs/topologies/{topology.name}.yaml"]))
+    (step,) = [s for s in manifests if s.action == "apply"]
+    daemonset = next(x for x in step.manifests if x["kind"] == "DaemonSet")
+    env = {e["name"]: e["value"] for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    configs = [x for x in step.manifests if x["kind"] == "ConfigMap"]
+    if topology.gpu.replicas_per_gpu == 1:
+        assert not configs and "CONFIG_FILE" not in env
+        return
+    (config,) = configs
+    sharing = yaml.safe_load(config["data"]["config.yaml"])["sharing"]["timeSlicing"]["resources"]
+    assert sharing == [{"name": "nvidia.com/gpu", "replicas": topology.gpu.replicas_per_gpu}]
+    assert env["CONFIG_FILE"] == gpu.DEVICE_PLUGIN_CONFIG_PATH
+    # the slots it advertises are enough for every replica
+    assert topology.gpu.gpus * topology.gpu.replicas_per_gpu >= topology.total_replicas
+
+
+@pytest.mark.parametrize("settings, replicas", [
+    ({"replicas_per_gpu": 4, "memory_utilization": 0.3}, 4),   # 120 % of a GPU
+    ({"replicas_per_gpu": 2, "memory_utilization": 0.4}, 4),   # 4 replicas, 2 slots
+    ({"gpus": 0}, 1),
+])
+def test_impossible_sharing_is_a_config_error(settings, replicas):
+    with pytest.raises(ConfigError):
+        Topology(pools=[Pool(replicas=replicas)], gpu=GpuSettings(**settings))
+
+
+def test_render_needs_out(capsys):
+    assert cli.main(["render", "--gpu", "--topology", "gpu-1"]) == 1
+    assert "--out" in capsys.readouterr().err
+
+
+def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
+    """One consistent DP model: a `vllm serve` per rank on API_PORT + rank (vLLM's external-LB DP),
+    which is exactly the endpoints the gateway's Kubernetes discovery makes of the pod."""
+    from kubernetes.client import V1ObjectMeta, V1Pod, V1PodStatus
+    from kvlab.gateway.discovery.kubernetes import pod_endpoints
+    from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind.manifests import API_PORT, KV_EVENTS_PORT, render
+
+    topology = load_topology(ROOT / "labs" / "topologies" / "wide-ep.yaml")
+    deployment = next(x for x in render(topology, m.Cluster(gpu=True))["baseline"] if x["kind"] == "Deployment")
+    template = deployment["spec"]["template"]
+    containers = template["spec"]["containers"]
+    dp = topology.pools[0].data_parallel_size
+    assert len(containers) == dp
+    served = []
+    for rank, c in enumerate(containers):
+        args = c["args"]
+        assert int(_arg(args, "--data-parallel-rank")) == rank and int(_arg(args, "--data-parallel-size")) == dp
+        http = next(p for p in c["ports"] if p["name"].startswith("http"))
+        assert int(_arg(args, "--port")) == http["containerPort"] == API_PORT + rank
+        assert c["readinessProbe"]["httpGet"]["port"] == http["name"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        kv = next(p for p in c["ports"] if p["name"].startswith("kv-events"))
+        assert kv["containerPort"] == KV_EVENTS_PORT + rank    # vLLM offsets tcp://*:5557 by the rank
+        served.append((f"http://10.0.0.7:{API_PORT + rank}", f"tcp://10.0.0.7:{KV_EVENTS_PORT + rank}"))
+    pod = V1Pod(metadata=V1ObjectMeta(name="moe-0", labels=template["metadata"]["labels"],
+                                      annotations=template["metadata"]["annotations"]),
+                status=V1PodStatus(phase="Running", pod_ip="10.0.0.7"))
+    assert [(e.url, e.kv_events) for e in pod_endpoints(pod, API_PORT, KV_EVENTS_PORT)] == served
