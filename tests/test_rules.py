@@ -108,6 +108,7 @@ def test_replica_ejected_fires_in_prometheus(tmp_path: Path):
                               timeout=180)
 
     up = kvlab("up", "--topology", str(topology))
+    supervisor = 0
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         stack = json.loads((tmp_path / "runs" / "latest" / "stack.json").read_text())
@@ -119,6 +120,9 @@ def test_replica_ejected_fires_in_prometheus(tmp_path: Path):
         victim = next(p for p in stack["processes"] if p["name"] == "engine-b")   # pool b: replica "b"
         assert [r["name"] for r in stack["replicas"]] == ["a", "b"]
         assert not [a for a in _alerts(prometheus) if a["labels"]["alertname"] == "KvlabReplicaEjected"]
+        # the supervisor restarts a dead child at once; paused, it cannot, so "b" stays down
+        supervisor = int(stack["supervisor"]["pid"])
+        os.kill(supervisor, signal.SIGSTOP)
         os.kill(int(victim["pid"]), signal.SIGKILL)
         killed_at = time.monotonic()
         firing: list[dict] = []
@@ -131,5 +135,7 @@ def test_replica_ejected_fires_in_prometheus(tmp_path: Path):
         assert firing[0]["labels"]["severity"] == "critical"
         print(f"KvlabReplicaEjected firing {time.monotonic() - killed_at:.1f} s after SIGKILL: {firing[0]}")
     finally:
+        if supervisor:
+            os.kill(supervisor, signal.SIGCONT)
         down = kvlab("down")
         assert down.returncode == 0, down.stdout + down.stderr
