@@ -44,8 +44,6 @@ FULL = {"duration": 60.0, "users": 12}
 QUICK = {"duration": 25.0, "users": 8}
 MIN_REQUESTS = 30   # a phase runs until its duration *and* this many completed requests (or its limit)
 DEFAULT_TOPOLOGY = {"sim": "quickstart", "vllm": "vllm"}   # by --engine, when no --topology is given
-# workload parameters a shipped topology's KV capacity is sized for (--workload-params override them)
-TOPOLOGY_WORKLOAD_PARAMS = {"vllm": {"shared-prefix": {"groups": 6}}}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                                       "vllm with --engine vllm)")
     p.add_argument("--engine", choices=["sim", "vllm"], help="override the topology's engine")
     p.add_argument("--replicas", type=int, help="override the number of replicas (single-pool topologies)")
-    p.add_argument("--workload", choices=NAMES, default="shared-prefix")
+    p.add_argument("--workload", choices=NAMES, help="default: the topology's `workload:` (shared-prefix)")
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters")
     p.add_argument("--duration", type=float, help=f"seconds per phase (default {FULL['duration']:.0f}, quick {QUICK['duration']:.0f})")
     p.add_argument("--users", type=int, help=f"concurrent Locust users (default {FULL['users']}, quick {QUICK['users']})")
@@ -87,7 +85,8 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 def workload_params(topology: Topology, workload: str, given: dict[str, Any]) -> dict[str, Any]:
     """The parameters the topology is sized for, overridden by the ones given on the command line."""
-    return {**TOPOLOGY_WORKLOAD_PARAMS.get(topology.name, {}).get(workload, {}), **given}
+    sized = topology.workload.params if workload == topology.workload.name else {}
+    return {**sized, **given}
 
 
 def _live(records: list[dict[str, Any]]) -> str:
@@ -162,8 +161,9 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     if args.cluster:
         return run_cluster_lab(args, console, duration, users)
     topology = _topology(args)
-    params = workload_params(topology, args.workload, json.loads(args.workload_params))
-    workload = create(args.workload, seed=args.seed, params=params)  # validates the parameters now
+    name = args.workload or topology.workload.name
+    params = workload_params(topology, name, json.loads(args.workload_params))
+    workload = create(name, seed=args.seed, params=params)  # validates the parameters now
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
@@ -226,8 +226,9 @@ def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float,
         raise KvlabError("--cluster runs what `kvlab cluster deploy` deployed: --engine, --replicas and "
                          "--policies do not apply (deploy another --topology instead)")
     topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
-    params = workload_params(topology, args.workload, json.loads(args.workload_params))
-    workload = create(args.workload, seed=args.seed, params=params)
+    name = args.workload or topology.workload.name
+    params = workload_params(topology, name, json.loads(args.workload_params))
+    workload = create(name, seed=args.seed, params=params)
     policy = topology.gateway.policy
     # (name, policy): the baseline's "policy" is kube-proxy's per-connection spreading
     plan = [("baseline-service", "kube-proxy"), (f"gateway-{policy}", policy)]

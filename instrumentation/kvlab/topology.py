@@ -14,7 +14,7 @@ Example (labs/topologies/quickstart.yaml):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -96,6 +96,14 @@ class ObservabilitySettings(Strict):
     sample_ratio: float = 1.0
 
 
+class WorkloadSettings(Strict):
+    """The workload a topology is sized for: `kvlab lab` runs it unless `--workload` names another
+    (`--workload-params` override these parameters)."""
+
+    name: str = "shared-prefix"
+    params: dict[str, Any] = {}
+
+
 class Topology(Strict):
     name: str = "lab"
     model: str = "kvlab-tiny"       # the served model name clients ask for
@@ -107,6 +115,7 @@ class Topology(Strict):
     gpu: GpuSettings = GpuSettings()
     gateway: GatewaySettings = GatewaySettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    workload: WorkloadSettings = WorkloadSettings()
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.pools]

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvlab.lab import workload_params
 from kvlab.load.ramp import Ramp, up_hold_down
 from kvlab.load.runner import run_bench
 from kvlab.load.summary import read_jsonl
@@ -140,8 +141,9 @@ def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console
     """The scenario (see the module docstring); returns the run dir."""
     preset = QUICK if args.quick else FULL
     ramp = up_hold_down(args.duration or preset["duration"], args.users or preset["users"])
-    params = json.loads(args.workload_params)
-    workload = create(args.workload, seed=args.seed, params=params)
+    name = args.workload or topology.workload.name
+    params = workload_params(topology, name, json.loads(args.workload_params))
+    workload = create(name, seed=args.seed, params=params)
     settings = topology.gateway.autoscale
     assert settings is not None
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("autoscale")
