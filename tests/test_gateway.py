@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import msgspec
@@ -115,7 +114,7 @@ class Harness:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self) -> "Harness":
+    async def __aenter__(self) -> Harness:
         for r in self.replicas:
             await r.start()
         cfg = load_policy(self.policy)
@@ -204,7 +203,7 @@ def test_prefix_policy_keeps_a_group_on_one_replica_and_delivers_prediction():
 def test_block_aligned_exact_repeat_predicts_what_the_engine_reuses():
     # a prompt of exactly 4 blocks, sent twice: all 4 blocks are cached, but the engine recomputes
     # the last token, so it reuses 3 blocks, and the gateway must predict exactly that
-    words = "cache token model server request route replica prefix latency queue batch memory".split()
+    words = ["cache", "token", "model", "server", "request", "route", "replica", "prefix", "latency", "queue", "batch", "memory"]
     text = " ".join(words * 6)
     ids = _TOK.encode_text(text)[0]
     text = _TOK.tok.decode(ids[:64])

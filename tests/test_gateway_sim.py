@@ -51,7 +51,7 @@ class OtlpReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = ExportTraceServiceRequest()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kvlab.gateway.endpoints import Replica
 from kvlab.gateway.discovery.base import Endpoint
+from kvlab.gateway.endpoints import Replica
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvlab.kvcache.hashing import block_keys

@@ -18,7 +18,7 @@ from conftest import IN_CI
 
 if not IN_CI:  # in CI a missing client fails at import instead of skipping
     pytest.importorskip("kubernetes")
-from kubernetes.client import (  # noqa: E402
+from kubernetes.client import (
     ApiClient,
     V1ListMeta,
     V1ObjectMeta,
@@ -27,10 +27,10 @@ from kubernetes.client import (  # noqa: E402
     V1PodList,
     V1PodStatus,
 )
-from kubernetes.client.rest import ApiException  # noqa: E402
+from kubernetes.client.rest import ApiException
 
-from kvlab.gateway.discovery.base import Endpoint  # noqa: E402
-from kvlab.gateway.discovery.kubernetes import KubernetesDiscovery, endpoints_of  # noqa: E402
+from kvlab.gateway.discovery.base import Endpoint
+from kvlab.gateway.discovery.kubernetes import KubernetesDiscovery, endpoints_of
 
 SELECTOR = "app.kubernetes.io/part-of=kvlab,app.kubernetes.io/component=replica"
 
@@ -51,7 +51,7 @@ def pod(name: str, ip: str | None = "10.244.1.5", ready: bool = True, role: str 
 class _Stream:
     """A urllib3-like streaming response: `stream()` yields JSON lines until closed."""
 
-    def __init__(self, lines: "queue.Queue[bytes | None]") -> None:
+    def __init__(self, lines: queue.Queue[bytes | None]) -> None:
         self.lines = lines
         self.status = 200
 
@@ -75,7 +75,7 @@ class FakeCoreV1Api:
     def __init__(self, pods: list[V1Pod]) -> None:
         self.pods = pods
         self.calls: list[dict] = []
-        self.watches: "queue.Queue[queue.Queue]" = queue.Queue()
+        self.watches: queue.Queue[queue.Queue] = queue.Queue()
         self.fail_next_list = 0
         self._client = ApiClient()
 

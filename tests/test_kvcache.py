@@ -7,8 +7,15 @@ import asyncio
 import msgspec
 import pytest
 
-from kvlab.kvcache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                                  decode_batch, encode_batch, encode_batch_positional)
+from kvlab.kvcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    encode_batch_positional,
+)
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.transport import EventPublisher, EventSubscriber
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import IN_CI
 from kvlab.stack.kind import versions
 from kvlab.stack.kind.manifests import (
     NODE_PORTS,
@@ -23,11 +24,9 @@ from kvlab.stack.kind.manifests import (
 )
 from kvlab.topology import ObservabilitySettings, Pool, Topology, load_topology
 
-from conftest import IN_CI
-
 if not IN_CI:  # in CI a missing validator fails at import instead of skipping
     pytest.importorskip("kubernetes_validate")
-import kubernetes_validate  # noqa: E402
+import kubernetes_validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGIES = sorted((ROOT / "labs" / "topologies").glob("*.yaml"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import IN_CI
 from kvlab.errors import ConfigError
 from kvlab.stack.kind import cli, gpu, versions
@@ -128,6 +129,7 @@ def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
     """One consistent DP model: a `vllm serve` per rank on API_PORT + rank (vLLM's external-LB DP),
     which is exactly the endpoints the gateway's Kubernetes discovery makes of the pod."""
     from kubernetes.client import V1ObjectMeta, V1Pod, V1PodStatus
+
     from kvlab.gateway.discovery.kubernetes import pod_endpoints
     from kvlab.stack.kind import manifests as m
     from kvlab.stack.kind.manifests import API_PORT, KV_EVENTS_PORT, render

@@ -10,16 +10,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from conftest import IN_CI
 from kvlab.errors import ConfigError
 from kvlab.stack.kind import versions
 from kvlab.stack.kind.manifests import NIXL_SIDE_CHANNEL_PORT, PD_ANNOTATION, Cluster, render
 from kvlab.topology import GatewaySettings, Pool, Topology, VllmSettings, builtin, load_topology
 
-from conftest import IN_CI
-
 if not IN_CI:  # in CI a missing validator fails at import instead of skipping
     pytest.importorskip("kubernetes_validate")
-import kubernetes_validate  # noqa: E402
+import kubernetes_validate
 
 PD = load_topology(builtin("pd"))
 

@@ -40,7 +40,7 @@ def test_notebook_replica_metrics_average_kv_usage_too():
     from kvlab.notebook import replica_metrics
 
     class Replica(FakeHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.reply(200, TWO_ENGINES.encode(), "text/plain; version=0.0.4")
 
     with http_server(Replica) as url:
@@ -53,7 +53,7 @@ def _families(metrics: GatewayMetrics) -> dict:
 
 
 def test_renamed_metric_keeps_its_deprecated_alias():
-    metrics = GatewayMetrics(lambda: [])
+    metrics = GatewayMetrics(list)
     for seconds in (0.002, 0.02, 0.3):
         metrics.kv_transfer.observe(seconds)
     families = _families(metrics)

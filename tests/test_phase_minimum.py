@@ -40,4 +40,4 @@ def test_slow_part_names_prefill_or_generation():
     decode = [{"ttft_ms": 300.0, "e2e_ms": 60000.0}]
     assert "prefill" in slow_part(prefill, 100) and "TTFT p50 9.0 s" in slow_part(prefill, 100)
     assert "generation" in slow_part(decode, 100)
-    assert "every request failed (HTTP 500)" == slow_part([{"error": "HTTP 500"}], 100)
+    assert slow_part([{"error": "HTTP 500"}], 100) == "every request failed (HTTP 500)"

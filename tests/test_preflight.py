@@ -22,6 +22,7 @@ from kubernetes.client import (
     V1PodStatus,
 )
 from kubernetes.client.exceptions import ApiException
+
 from kvlab.stack.kind import preflight, versions
 from kvlab.stack.kind.manifests import GPU_NODE_LABEL, Cluster
 from kvlab.topology import builtin, load_topology
@@ -136,6 +137,7 @@ def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
     import io
 
     import kubernetes.client
+
     from kvlab.errors import StackError
     from kvlab.stack.kind import cli
     from kvlab.stack.kind.runner import Runner

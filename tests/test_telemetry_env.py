@@ -73,7 +73,7 @@ def http_receiver():
     got = Received()
 
     class Handler(FakeHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             got.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
                                  "body": to_otlp_json(parse_traces(body, self.headers.get("Content-Type", "")))})
@@ -91,7 +91,7 @@ def grpc_receiver():
     got = Received()
 
     class Service(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802
+        def Export(self, request, context):
             got.requests.append({"path": "grpc", "headers": dict(context.invocation_metadata()),
                                  "body": to_otlp_json(request)})
             return trace_service_pb2.ExportTraceServiceResponse()

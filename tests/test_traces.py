@@ -182,7 +182,7 @@ def jaeger_url(run_dir: Path):
     seen: list[str] = []
 
     class Handler(FakeHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             seen.append(self.path)
             url = urllib.parse.urlsplit(self.path)
             q = dict(urllib.parse.parse_qsl(url.query))

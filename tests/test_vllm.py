@@ -38,7 +38,7 @@ START_TIMEOUT_S = 540
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=open(log, "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

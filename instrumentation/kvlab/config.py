@@ -74,7 +74,7 @@ def read_yaml(path: str | Path) -> Any:
     """Plain data from a YAML file (YAML 1.2 booleans), or a ConfigError naming the file."""
     p = Path(path)
     try:
-        return yaml.load(p.read_text(), Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(p.read_text(), Loader=_Yaml12Loader)
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such file") from None
     except yaml.YAMLError as exc:

@@ -24,10 +24,10 @@ from typing import Any
 
 from kvlab.errors import StackError
 from kvlab.lab import QUICK
+from kvlab.lifecycle import http_ok
 from kvlab.load.runner import run_bench
 from kvlab.load.summary import read_jsonl
 from kvlab.stack.local import HOST, KVLAB, free_port
-from kvlab.lifecycle import http_ok
 from kvlab.stack.process import Child, stop_recorded
 from kvlab.stack.state import read_stack, runs_dir, set_latest, write_json
 from kvlab.telemetry import names as n

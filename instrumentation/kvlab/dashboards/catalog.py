@@ -4,7 +4,8 @@ exact bytes committed under dashboards/ (a test checks the committed files equal
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import yaml
 from grafana_foundation_sdk.cog.encoder import JSONEncoder

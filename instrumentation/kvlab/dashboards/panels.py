@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common, dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.models.common import (
-    LegendDisplayMode, LegendPlacement, SortOrder, StackingMode, TooltipDisplayMode,
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    StackingMode,
+    TooltipDisplayMode,
 )
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 

@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
         return 1
     stopping = False
 
-    def on_signal(signum, frame):  # noqa: ARG001
+    def on_signal(signum, frame):
         nonlocal stopping
         stopping = True
 

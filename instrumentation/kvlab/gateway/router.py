@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvlab.errors import NoEndpointAvailable
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.endpoints import Registry, Replica
 from kvlab.gateway.scheduler.base import Decision, RouteRequest, Scheduler
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
-from kvlab.errors import NoEndpointAvailable
 
 
 @dataclass(slots=True)

@@ -30,8 +30,8 @@ from kvlab.gateway import dp as dp_view
 from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, Endpoint
-from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.gateway.loadview import LoadView
 from kvlab.gateway.metrics import GatewayMetrics

@@ -78,7 +78,7 @@ class _PosAllBlocksCleared(_PosEvent, tag="AllBlocksCleared"):
 
 class _PosBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Union[_PosBlockStored, _PosBlockRemoved, _PosAllBlocksCleared]]
+    events: list[_PosBlockStored | _PosBlockRemoved | _PosAllBlocksCleared]
     data_parallel_rank: int | None = None
 
 

@@ -21,7 +21,6 @@ import zmq.asyncio
 
 from kvlab.kvcache.events import Event, KVEventBatch, decode_batch, encode_batch
 
-
 END_SEQ = (-1).to_bytes(8, "big", signed=True)   # vLLM's end-of-replay marker
 
 

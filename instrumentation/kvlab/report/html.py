@@ -15,7 +15,6 @@ from kvlab.report import figures
 from kvlab.report.autoscale import section as autoscale_section
 from kvlab.report.pd import section as pd_section
 
-
 PLOT_CONFIG = {"displaylogo": False}
 
 

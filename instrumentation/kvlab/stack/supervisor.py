@@ -21,7 +21,6 @@ from kvlab.errors import KvlabError
 from kvlab.stack.local import LocalStack
 from kvlab.topology import load_topology
 
-
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0
 

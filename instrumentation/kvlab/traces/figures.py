@@ -5,8 +5,9 @@ them in one self-contained page (plotly.js embedded once, opens offline)."""
 from __future__ import annotations
 
 import html
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import plotly.graph_objects as go
 import plotly.io as pio

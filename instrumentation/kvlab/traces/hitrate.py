@@ -7,8 +7,9 @@ index or eviction. Fractions are token-weighted over prompt tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

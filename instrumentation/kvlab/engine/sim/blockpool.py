@@ -26,7 +26,7 @@ def wire_hash(key: int) -> int:
 
 
 class Block:
-    __slots__ = ("id", "ref_cnt", "key")
+    __slots__ = ("id", "key", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.id = block_id

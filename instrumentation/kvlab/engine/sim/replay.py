@@ -21,7 +21,8 @@ from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.gateway.endpoints import Replica as Target
-from kvlab.gateway.scheduler.base import RouteRequest, Scheduler as Router
+from kvlab.gateway.scheduler.base import RouteRequest
+from kvlab.gateway.scheduler.base import Scheduler as Router
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,32 @@ WAITING, RUNNING, FINISHED = 0, 1, 2
 class Request:
     """One generation request: its tokens, KV blocks and progress (times are set by the engine)."""
 
-    __slots__ = ("id", "prompt", "output", "max_tokens", "num_prompt", "num_tokens", "num_computed",
-                 "num_output", "num_cached", "keys", "blocks", "status", "finish_reason", "scheduled",
-                 "t_arrival", "t_scheduled", "t_first_token", "t_last_token", "t_finished", "stop",
-                 "min_tokens", "text_len", "waiter", "ctx")
+    __slots__ = (
+        "blocks",
+        "ctx",
+        "finish_reason",
+        "id",
+        "keys",
+        "max_tokens",
+        "min_tokens",
+        "num_cached",
+        "num_computed",
+        "num_output",
+        "num_prompt",
+        "num_tokens",
+        "output",
+        "prompt",
+        "scheduled",
+        "status",
+        "stop",
+        "t_arrival",
+        "t_finished",
+        "t_first_token",
+        "t_last_token",
+        "t_scheduled",
+        "text_len",
+        "waiter",
+    )
 
     def __init__(self, request_id: str, prompt: list[int], output: list[int], keys: list[int],
                  stop: Sequence[str] = (), min_tokens: int = 0) -> None:

@@ -20,8 +20,15 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvlab.engine.sim.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       _Generation, chat_ids, tokenize_ids)
+from kvlab.engine.sim.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Generation,
+    chat_ids,
+    tokenize_ids,
+)
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError

@@ -156,7 +156,7 @@ class KubernetesDiscovery(Discovery):
                         break
                 # the watch ended normally (server timeout): re-list after a short pause
                 self._stop.wait(self._backoff[0])
-            except Exception as exc:  # noqa: BLE001 - any API failure: back off and re-list
+            except Exception as exc:
                 if self._stop.is_set():
                     break
                 log.warning("kubernetes discovery: %s; retrying in %.1fs", exc, delay)

@@ -36,9 +36,9 @@ def node_port_url(target: str) -> str:
 
 def _answers(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return 200 <= resp.status < 500
-    except Exception:  # noqa: BLE001 - refused, timeout, HTTP error: not answering
+    except Exception:
         return False
 
 
@@ -71,7 +71,7 @@ class PortForward:
             pf = portforward(self.core.connect_get_namespaced_pod_portforward, self.pod, self.namespace,
                              ports=str(self.port))
             remote = pf.socket(self.port)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"kvlab cluster forward: {self.pod}:{self.port}: {exc}", file=sys.stderr)
             conn.close()
             return
@@ -98,7 +98,7 @@ class PortForward:
         self._closed.set()
         self._server.close()
 
-    def __enter__(self) -> "PortForward":
+    def __enter__(self) -> PortForward:
         return self
 
     def __exit__(self, *exc: object) -> None:

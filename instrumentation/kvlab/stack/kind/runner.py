@@ -19,7 +19,7 @@ def api_client(context: str | None) -> Any:
 
     try:
         return config.new_client_from_config(context=context)
-    except Exception as exc:  # noqa: BLE001 - no kubeconfig, unknown context
+    except Exception as exc:
         raise StackError(f"no usable kube context {context or '(current)'}: {exc}; "
                          "is the cluster created (`kvlab cluster create`)?") from None
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kvlab.errors import KvlabError
 from kvlab.traces.sources.base import TraceSource
