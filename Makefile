@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 LAB_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: lab test venv venv-dev vllm clean
+.PHONY: lab test lint venv venv-dev vllm clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
