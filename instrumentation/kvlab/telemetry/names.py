@@ -153,7 +153,8 @@ VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}
 KVLAB_DECISIONS = "kvlab_gateway_decisions"               # counter {policy, reason}
-KVLAB_PREFIX_TOKENS = "kvlab_gateway_prefix_tokens"       # counter {policy, kind=available|predicted|speculative|delivered|prompt}
+# counter {policy, kind=available|predicted|speculative|delivered|prompt}
+KVLAB_PREFIX_TOKENS = "kvlab_gateway_prefix_tokens"
 KVLAB_ROUTING_SECONDS = "kvlab_gateway_routing_seconds"   # histogram {policy}
 KVLAB_GATEWAY_TTFT = "kvlab_gateway_ttft_seconds"         # histogram {policy, replica}
 KVLAB_UPSTREAM_ERRORS = "kvlab_gateway_upstream_errors"   # counter {replica, kind}

@@ -48,15 +48,16 @@ def exporter_names() -> list[str]:
         configured = "otlp" if endpoint else ""
     names = []
     for name in filter(None, (n.strip() for n in configured.split(","))):
-        if name == "otlp":
-            protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
-            if protocol not in _OTLP_BY_PROTOCOL:
-                log.warning("OTLP protocol %r is not supported for traces (use http/protobuf or grpc); "
-                            "export disabled", protocol)
-                continue
-            name = _OTLP_BY_PROTOCOL[protocol]
-        names.append(name)
+        if name != "otlp":
+            names.append(name)
+            continue
+        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+        if protocol not in _OTLP_BY_PROTOCOL:
+            log.warning("OTLP protocol %r is not supported for traces (use http/protobuf or grpc); "
+                        "export disabled", protocol)
+            continue
+        names.append(_OTLP_BY_PROTOCOL[protocol])
     return names
 
 
@@ -64,7 +65,8 @@ def _exporter(name: str) -> SpanExporter:
     found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
     if not found:
         raise LookupError(f"no trace exporter named {name!r} is installed")
-    return found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
+    exporter: SpanExporter = found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
+    return exporter
 
 
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,

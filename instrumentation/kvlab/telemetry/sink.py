@@ -26,13 +26,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -48,12 +49,13 @@ log = logging.getLogger("kvlab.telemetry.sink")
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 MAX_BODY = 64 * 1024 * 1024
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 # ---------------------------------------------------------------------------------------------
 # OTLP/JSON <-> protobuf JSON mapping: ids are hex in OTLP/JSON, base64 in protobuf's JSON.
 
 
-def _map_ids(request: dict[str, Any], convert) -> dict[str, Any]:
+def _map_ids(request: dict[str, Any], convert: Callable[[str], str]) -> dict[str, Any]:
     for rs in request.get("resourceSpans") or []:
         for ss in rs.get("scopeSpans") or []:
             for span in ss.get("spans") or []:
@@ -138,7 +140,7 @@ async def _read(request: web.Request) -> bytes:
     return body
 
 
-def _reply(ctype: str, response) -> web.Response:
+def _reply(ctype: str, response: Message) -> web.Response:
     if ctype == JSON:
         return web.Response(body=json_format.MessageToJson(response).encode(), content_type=JSON)
     return web.Response(body=response.SerializeToString(), content_type=PROTOBUF)
@@ -164,7 +166,7 @@ def make_app(out_dir: Path) -> web.Application:
         spans.write(message)
         return _reply(ctype, ExportTraceServiceResponse())
 
-    def dropping(response_type):
+    def dropping(response_type: type[Message]) -> Handler:
         async def handler(request: web.Request) -> web.Response:
             await request.read()
             return _reply(_body_type(request), response_type())
@@ -245,7 +247,8 @@ class TraceTarget:
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _jaeger_config(host: str, otlp_http: int, otlp_grpc: int, query_http: int, query_grpc: int,
@@ -331,7 +334,7 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
         ready_url=f"http://{host}:{port}/health")
 
 
-def start_trace_target(target: TraceTarget, log_path: Path, timeout_s: float = 30.0) -> subprocess.Popen | None:
+def start_trace_target(target: TraceTarget, log_path: Path, timeout_s: float = 30.0) -> subprocess.Popen[bytes] | None:
     """Start the target's process (sink or Jaeger), logging to `log_path`, and wait until it is
     ready. None when nothing must be started (off / external endpoint). The caller stops it by pid."""
     if target.argv is None:
