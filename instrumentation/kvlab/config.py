@@ -29,7 +29,8 @@ def _allowed(cls: type, path: str) -> str:
     for part in path.lstrip("$").replace("[", ".[").split("."):
         if not part or part.startswith("["):
             continue
-        fields = {f.name: f for f in msgspec.structs.fields(node)} if isinstance(node, type) and issubclass(node, msgspec.Struct) else {}
+        is_struct = isinstance(node, type) and issubclass(node, msgspec.Struct)
+        fields = {f.name: f for f in msgspec.structs.fields(node)} if is_struct else {}
         if part not in fields:
             return ""
         node = fields[part].type
@@ -58,7 +59,7 @@ def convert(data: Any, cls: type[T], source: str = "<config>") -> T:
         raise ConfigError(f"{source}: {msg}{hint}") from None
 
 
-class _Yaml12Loader(yaml.SafeLoader):
+class _Yaml12Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML is untyped (no stubs installed)
     """SafeLoader with YAML 1.2 booleans: only true/false, so `traces: off` stays the string "off"."""
 
 

@@ -28,7 +28,7 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def _texts(parts: list[Any], role: str, i: int) -> list[tuple[str, dict[str, Any]]]:
-    out = []
+    out: list[tuple[str, dict[str, Any]]] = []
     if role == "system":   # vLLM drops Claude Code's per-request attribution line
         parts = [_strip_billing(p) for p in parts]
     for p in parts:
@@ -190,7 +190,8 @@ def content_format(template: str) -> str:
         it = loop.iter
         while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Test)) and it.node is not None:
             it = it.node
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content":
+        if (isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const)
+                and it.arg.value == "content"):
             return "openai"
         if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
             return "openai"

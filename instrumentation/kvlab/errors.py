@@ -32,7 +32,7 @@ class RequestError(KvlabError):
         self.message = message
         self.param = param
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, dict[str, str | int | None]]:
         """The OpenAI/vLLM error body."""
         return {
             "error": {

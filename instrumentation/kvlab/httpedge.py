@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from kvlab.errors import RequestError
 
@@ -97,7 +98,7 @@ def decode(raw: bytes, cls: type[T] | None = None) -> T:
 
 
 @web.middleware
-async def errors(request: web.Request, handler):
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error the application raises, answered as vLLM's JSON error body."""
     try:
         return await handler(request)

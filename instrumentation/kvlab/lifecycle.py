@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ async def stop_requested() -> None:
     await stop.wait()
 
 
-async def cancel(task: asyncio.Task | None) -> None:
+async def cancel(task: asyncio.Task[Any] | None) -> None:
     """Cancel a background task and wait until it has finished unwinding."""
     if task is None:
         return
@@ -71,7 +71,7 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
     return uvloop.run(main)
 
 
-def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def terminate(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
     """Stop a child: SIGTERM, then SIGKILL if it is still running after `grace_s`; always reaped."""
     if proc.poll() is None:
         proc.terminate()
@@ -86,17 +86,20 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
     """True when `url` answers 200."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status == 200
+            status: int = resp.status
+            return status == 200
     except OSError:
         return False
 
 
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[Any] | None = None, timeout_s: float = 30.0) -> None:
     """Poll `url` until it answers 200; StackError if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise StackError(f"{Path(str(proc.args[0])).name} exited with {proc.returncode} before {url} was ready")
+            args = proc.args
+            program = args[0] if isinstance(args, Sequence) and not isinstance(args, (str, bytes)) else args
+            raise StackError(f"{Path(str(program)).name} exited with {proc.returncode} before {url} was ready")
         if http_ok(url, timeout_s=2.0):
             return
         time.sleep(0.1)
