@@ -24,12 +24,18 @@ from kvlab.kvcache.events import Event, KVEventBatch, decode_batch, encode_batch
 END_SEQ = (-1).to_bytes(8, "big", signed=True)   # vLLM's end-of-replay marker
 
 
+def _last_endpoint(sock: zmq.Socket[bytes]) -> str | None:
+    """The address a socket bound or connected last (a wildcard port resolved); None before that."""
+    raw = sock.last_endpoint
+    return raw.decode() if isinstance(raw, bytes) and raw else None
+
+
 class EventPublisher:
     """Publishes event batches on a bound (`tcp://*:PORT`) or connected PUB socket, keeping the last
     `buffer_steps` for replay when a `replay` endpoint is given (bound; served by a thread)."""
 
     def __init__(self, endpoint: str, topic: str = "kv-events", data_parallel_rank: int | None = None,
-                 hwm: int = 100_000, context: zmq.Context | None = None, bind: bool | None = None,
+                 hwm: int = 100_000, context: zmq.Context[zmq.Socket[bytes]] | None = None, bind: bool | None = None,
                  replay: str | None = None, buffer_steps: int = 10_000) -> None:
         """`bind`: True binds (e.g. `tcp://127.0.0.1:5557`), False connects; None guesses from the
         endpoint (a `*` or an ipc/inproc address binds)."""
@@ -43,21 +49,21 @@ class EventPublisher:
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)
-        self.endpoint = self._sock.last_endpoint.decode() if self._sock.last_endpoint else endpoint
+        self.endpoint = _last_endpoint(self._sock) or endpoint
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._seq = 0
         self.replay_endpoint: str | None = None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
         if replay is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.linger = 0
             self._replay.bind(replay)
-            self.replay_endpoint = self._replay.last_endpoint.decode()
+            self.replay_endpoint = _last_endpoint(self._replay)
             self._thread = threading.Thread(target=self._serve_replay, name="kv-replay", daemon=True)
             self._thread.start()
 
