@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from functools import cached_property
 from importlib import resources
 from inspect import Parameter, signature
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -72,16 +73,17 @@ class Tokenizer:
             from transformers.utils import logging as hf_logging
         except ImportError as exc:
             raise ConfigError(f"loading a Hugging Face tokenizer needs `transformers`: {exc}") from None
-        hf_logging.set_verbosity_error()
+        hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except Exception as exc:  # transformers raises many kinds; all mean "not loadable"
             raise ConfigError(f"{self.path}: transformers cannot load this tokenizer: "
                               f"{type(exc).__name__}: {exc}") from None
-        self._tok: _HFTokenizer | None = getattr(self.hf, "backend_tokenizer", None)
-        if self._tok is None:
+        tok: _HFTokenizer | None = getattr(self.hf, "backend_tokenizer", None)
+        if tok is None:
             raise ConfigError(f"{self.path}: only fast tokenizers (tokenizer.json) are supported, "
                               f"got {type(self.hf).__name__}")
+        self._tok = tok
         self.template_file = _template_file(self.path)
         params = signature(type(self.hf).apply_chat_template).parameters.values()
         self._chat_params = frozenset(p.name for p in params
@@ -90,7 +92,8 @@ class Tokenizer:
             try:
                 self.render_chat(CHAT_SAMPLE)
             except RequestError as exc:
-                raise ConfigError(f"{self.template_file}: the chat template cannot be rendered: {exc.message}") from None
+                raise ConfigError(f"{self.template_file}: the chat template cannot be rendered: "
+                                  f"{exc.message}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -98,13 +101,20 @@ class Tokenizer:
 
     @cached_property
     def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id
+        eos: int | None = self.hf.eos_token_id
+        return eos
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of kvlab's special tokens and the tokenizer's own special tokens."""
+        ours = (self._tok.token_to_id(t) for t in SPECIAL_TOKENS)
+        return frozenset(i for i in ours if i is not None) | frozenset(self.hf.all_special_ids)
 
     @cached_property
     def visible_ids(self) -> list[int]:
         """Ids of ordinary (non-special) tokens: what a simulated model may emit."""
-        special = {self._tok.token_to_id(t) for t in SPECIAL_TOKENS} | set(self.hf.all_special_ids)
-        added = {i for i in self._tok.get_added_tokens_decoder()}
+        special = self.special_ids
+        added = set(self._tok.get_added_tokens_decoder())
         return [i for i in range(self.vocab_size) if i not in special and i not in added]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -148,9 +158,11 @@ class Tokenizer:
                 kwargs[k] = v
         accepted = self._chat_params | variables
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None if tool_dicts is None else [*tool_dicts]
         try:
-            return self.hf.apply_chat_template(conv, tools=tool_dicts, chat_template=template,
-                                               tokenize=False, **kwargs)
+            # tokenize=False: the rendered text, a str
+            return cast(str, self.hf.apply_chat_template(conv, tools=hf_tools, chat_template=template,
+                                                         tokenize=False, **kwargs))
         except Exception as exc:  # the template rejected this request (raise_exception, bad shape)
             raise RequestError(f"the chat template rejected the request: {_reason(exc)}", "messages") from None
 

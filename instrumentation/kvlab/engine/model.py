@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -61,7 +62,7 @@ def tiny_spec(dtype: str = "auto", **shape: int) -> TinySpec:
     """The default shape for the dtype this machine runs fast (or the one asked for); `shape`
     overrides fields."""
     resolved = resolve_dtype(dtype)
-    return TinySpec(**{**SHAPES.get(resolved, {}), **shape, "dtype": resolved})
+    return msgspec.structs.replace(TinySpec(dtype=resolved), **{**SHAPES.get(resolved, {}), **shape})
 
 
 SPEC_FILE = "kvlab_model.json"   # the spec a directory was built from (reuse check)
@@ -73,12 +74,14 @@ def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str 
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
 
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else kvtok.default_dir()
     tok = kvtok.Tokenizer(tok_dir)
-    special = sorted(({tok._tok.token_to_id(t) for t in kvtok.SPECIAL_TOKENS} | set(tok.hf.all_special_ids)) - {None})
+    special = sorted(tok.special_ids)
     eos = tok.eos_token_id
+    # named in transformers 4, still accepted by 5's dataclass config (which calls them rope_parameters and dtype)
+    legacy: dict[str, Any] = {"rope_theta": 10000.0, "torch_dtype": spec.dtype}
     config = LlamaConfig(
         vocab_size=tok.vocab_size,
         hidden_size=spec.hidden_size,
@@ -87,16 +90,15 @@ def build_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str 
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=tok.hf.bos_token_id,
         eos_token_id=eos,
         pad_token_id=eos,
-        torch_dtype=spec.dtype,
+        **legacy,
     )
     torch.manual_seed(spec.seed)
     with torch.no_grad():
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves __init__ unannotated
         model.model.embed_tokens.weight[:, 0] = 1.0          # constant in dimension 0 ...
         head = model.lm_head.weight
         head[:, 0] = 0.0
