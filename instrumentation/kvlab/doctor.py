@@ -30,9 +30,9 @@ SCHEMA_VERSION = 1
 CPUINFO = Path("/proc/cpuinfo")
 MEMINFO = Path("/proc/meminfo")
 Level = Literal["none", "avx2", "avx512", "avx512_bf16", "amx"]
-LEVELS: tuple[str, ...] = ("none", "avx2", "avx512", "avx512_bf16", "amx")
+LEVELS: tuple[Level, ...] = ("none", "avx2", "avx512", "avx512_bf16", "amx")
 # the /proc/cpuinfo flag that stands for each level (each level implies the ones before it)
-LEVEL_FLAG = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
+LEVEL_FLAG: dict[Level, str] = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
 Dtype = Literal["bfloat16", "float32"]
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 BINARIES = {   # optional part -> the commands that provide it (first found wins)
@@ -93,7 +93,7 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
 
 def isa_from_flags(flags: set[str], source: str) -> Isa:
     has = {lvl: LEVEL_FLAG[lvl] in flags for lvl in LEVEL_FLAG}
-    level = next((lvl for lvl in reversed(LEVELS[1:]) if has[lvl]), "none")
+    level: Level = next((lvl for lvl in reversed(LEVELS[1:]) if has[lvl]), "none")
     return Isa(avx2=has["avx2"], avx512=has["avx512"], avx512_bf16=has["avx512_bf16"], amx=has["amx"],
                level=level, source=source)
 
@@ -131,6 +131,10 @@ def choose_dtype(isa: Isa, requested: str = "auto") -> tuple[str, str]:
     """(dtype, why): bfloat16 only where vLLM's CPU backend has a fast bf16 path, else float32."""
     if requested != "auto":
         return requested, "--dtype"
+    return _auto_dtype(isa)
+
+
+def _auto_dtype(isa: Isa) -> tuple[Dtype, str]:
     if isa.avx512_bf16 or isa.amx:
         return "bfloat16", f"{isa.level}: native bf16 matrix instructions"
     return "float32", (f"{isa.level}: no AVX512-BF16/AMX, bf16 would be several times slower "
@@ -143,7 +147,9 @@ def _meminfo(path: Path = MEMINFO) -> Memory:
                (line.partition(":") for line in path.read_text().splitlines()) if v.strip()}
     except (OSError, ValueError, IndexError):
         return Memory(total_gib=None, available_gib=None)
-    gib = lambda k: round(kib[k] / 2**20, 1) if k in kib else None   # noqa: E731
+
+    def gib(k: str) -> float | None:
+        return round(kib[k] / 2**20, 1) if k in kib else None
     return Memory(total_gib=gib("MemTotal"), available_gib=gib("MemAvailable"))
 
 
@@ -195,7 +201,7 @@ def diagnose(isa: Isa | None = None, cpuinfo: Path = CPUINFO, meminfo: Path = ME
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory = _meminfo(meminfo)
     parts = find_parts()
-    dtype, why = choose_dtype(isa)
+    dtype, why = _auto_dtype(isa)
     choices = Choices(
         dtype=dtype, dtype_reason=why, engine="vllm" if parts["vllm"].installed else "sim",
         vllm_cpus_per_replica=max(1, cores // 2), traces="jaeger" if parts["jaeger"].installed else "files",

@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import msgspec
 
@@ -47,7 +48,8 @@ def _free_port(host: str) -> int:
 
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _loopback(host: str) -> bool:
@@ -137,7 +139,7 @@ class ReplicaSpec:
 @dataclass
 class Running:
     spec: ReplicaSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: Path | None = None
     ready: bool = False
     exited: list[int] = field(default_factory=list)
@@ -232,7 +234,8 @@ def _die_with_parent() -> None:
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -261,9 +264,11 @@ class Launcher:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 log = self.log_dir / f"{s.name}.log"
                 out = open(log, "ab")  # noqa: SIM115 (the child owns it)
+            # preexec_fn (PR_SET_PDEATHSIG) is safe here: the launcher process runs no threads
+            die_with_parent = _die_with_parent if sys.platform == "linux" else None
             proc = subprocess.Popen(s.argv, env=s.env, stdin=subprocess.DEVNULL, stdout=out or sys.stderr,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                    preexec_fn=die_with_parent)  # noqa: PLW1509
             if out:
                 out.close()
             self.running.append(Running(s, proc, log))
@@ -365,7 +370,7 @@ def main(argv: list[str]) -> int:
         return 1
     stopping = False
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
 
