@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders import dashboard
+
 from kvlab.dashboards.panels import Query, board, graph, or_zero, quantile, rate, row, single
 from kvlab.telemetry import names as n
 
@@ -10,7 +12,7 @@ UID = "kvlab-before-after"
 GATEWAY_SERVICE = "kvlab-gateway"
 
 
-def build():
+def build() -> dashboard.Dashboard:
     requests_by_policy = rate(n.KVLAB_REQUESTS, by="policy")
     errors_by_policy = rate(n.KVLAB_REQUESTS, 'status!~"2.."', by="policy")
     delivered = rate(n.KVLAB_PREFIX_TOKENS, 'kind="delivered"', by="policy")

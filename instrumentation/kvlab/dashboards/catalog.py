@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
+from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from kvlab.dashboards import before_after, pd_dp, replicas, routing, rules
 from kvlab.dashboards.panels import JAEGER_UID, PROMETHEUS_UID
 
+
+class DashboardModule(Protocol):
+    """A dashboard is a module with a `build()`."""
+
+    def build(self) -> dashboard.Dashboard: ...
+
+
 # file name (under dashboards/) -> builder module, in the order a learner opens them
-DASHBOARDS = {
+DASHBOARDS: dict[str, DashboardModule] = {
     "before-after.json": before_after,
     "routing.json": routing,
     "replicas.json": replicas,
@@ -33,8 +41,8 @@ def _number_panels(panels: list[dict[str, Any]], start: int = 1) -> int:
     return next_id
 
 
-def dashboard_json(module) -> dict[str, Any]:
-    data = json.loads(json.dumps(module.build().build(), cls=JSONEncoder))
+def dashboard_json(module: DashboardModule) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(json.dumps(module.build().build(), cls=JSONEncoder))
     _number_panels(data["panels"])
     return data
 

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common, dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.models.common import (
+    BigValueColorMode,
+    BigValueGraphMode,
     LegendDisplayMode,
     LegendPlacement,
     SortOrder,
     StackingMode,
     TooltipDisplayMode,
+    VisibilityMode,
 )
-from grafana_foundation_sdk.models.dashboard import DataSourceRef
+from grafana_foundation_sdk.models.dashboard import DashboardLinkType, DataSourceRef
 
 PROMETHEUS_UID = "prometheus"      # the provisioned datasources' uids (dashboards/provisioning/)
 JAEGER_UID = "jaeger"
@@ -73,14 +76,15 @@ def jaeger_search_link(service: str) -> dashboard.DashboardLink:
                          "queryType": "search", "service": service}],
             "range": {"from": "${__from}", "to": "${__to}"}}
     url = "/explore?left=" + urllib.parse.quote(json.dumps(left, separators=(",", ":")), safe="${}_")
-    return dashboard.DashboardLink(f"Traces of {service} (Jaeger)").type("link").url(url).target_blank(True)
+    return (dashboard.DashboardLink(f"Traces of {service} (Jaeger)").type(DashboardLinkType.LINK)
+            .url(url).target_blank(True))
 
 
 def graph(title: str, queries: list[Query], unit: str = "short", description: str = "",
           width: int = 12, height: int = 8, stacked: bool = False, minimum: float | None = None,
           maximum: float | None = None, trace_service: str | None = None) -> timeseries.Panel:
     p = (timeseries.Panel().title(title).description(description).datasource(PROMETHEUS).unit(unit)
-         .span(width).height(height).line_width(1).fill_opacity(10).show_points("never")
+         .span(width).height(height).line_width(1).fill_opacity(10).show_points(VisibilityMode.NEVER)
          .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.TABLE)
                  .placement(LegendPlacement.BOTTOM).show_legend(True).calcs(["lastNotNull", "max"]))
          .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)))
@@ -100,7 +104,7 @@ def graph(title: str, queries: list[Query], unit: str = "short", description: st
 def single(title: str, queries: list[Query], unit: str = "short", description: str = "",
            width: int = 6, height: int = 5) -> stat.Panel:
     p = (stat.Panel().title(title).description(description).datasource(PROMETHEUS).unit(unit)
-         .span(width).height(height).graph_mode("area").color_mode("value")
+         .span(width).height(height).graph_mode(BigValueGraphMode.AREA).color_mode(BigValueColorMode.VALUE)
          .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
     for i, q in enumerate(queries):
         p = p.with_target(_target(q, chr(ord("A") + i)))

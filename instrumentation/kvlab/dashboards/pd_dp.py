@@ -8,6 +8,8 @@ Remove an entry when the metric lands (the test reports pending queries that alr
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders import dashboard
+
 from kvlab.dashboards.panels import Query, board, graph, quantile, rate, row
 from kvlab.telemetry import names as n
 
@@ -16,7 +18,7 @@ UID = "kvlab-pd-dp"
 PENDING: dict[str, str] = {}   # the P/D metrics are proven on a run of the `pd` topology (issue 8)
 
 
-def build():
+def build() -> dashboard.Dashboard:
     return (
         board(UID, "kvlab · P/D and data parallel",
               "Prefill/decode split decisions, KV-transfer time, data-parallel rank load and the "

@@ -3,13 +3,15 @@ real vLLM alike), per scrape target."""
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders import dashboard
+
 from kvlab.dashboards.panels import Query, board, graph, quantile, rate, row
 from kvlab.telemetry import names as n
 
 UID = "kvlab-replicas"
 
 
-def build():
+def build() -> dashboard.Dashboard:
     hits = rate(n.VLLM_PREFIX_CACHE_HITS, by="instance")
     queries = rate(n.VLLM_PREFIX_CACHE_QUERIES, by="instance")
     return (

@@ -3,13 +3,15 @@ decomposition (available / predicted / delivered) of shared/DESIGN.md."""
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders import dashboard
+
 from kvlab.dashboards.panels import Query, board, graph, or_zero, quantile, rate, row
 from kvlab.telemetry import names as n
 
 UID = "kvlab-routing"
 
 
-def build():
+def build() -> dashboard.Dashboard:
     requests = rate(n.KVLAB_REQUESTS, by="replica")
     available = rate(n.KVLAB_PREFIX_TOKENS, 'kind="available"', by="policy")
     predicted = rate(n.KVLAB_PREFIX_TOKENS, 'kind="predicted"', by="policy")

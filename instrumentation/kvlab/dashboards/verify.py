@@ -10,6 +10,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.dashboards.catalog import DASHBOARDS, dashboard_json, panel_queries, pending_reason
 
@@ -48,7 +49,7 @@ def grafana_expr(expr: str, rate_interval_s: int, step_s: int, range_s: int) -> 
             .replace("$__interval", f"{step_s}s").replace("$__range", f"{range_s}s"))
 
 
-def query_range(base_url: str, expr: str, start: float, end: float, step_s: int) -> list[dict]:
+def query_range(base_url: str, expr: str, start: float, end: float, step_s: int) -> list[dict[str, Any]]:
     """Prometheus /api/v1/query_range; ValueError with Prometheus's message on a bad query."""
     body = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                    "step": f"{step_s}s"}).encode()
@@ -64,7 +65,8 @@ def query_range(base_url: str, expr: str, start: float, end: float, step_s: int)
             raise ValueError(f"HTTP {exc.code}") from None
     if data.get("status") != "success":
         raise ValueError(f"{data.get('errorType')}: {data.get('error')}")
-    return data["data"]["result"]
+    result: list[dict[str, Any]] = data["data"]["result"]
+    return result
 
 
 def verify(base_url: str, start: float, end: float, step_s: int = 2, rate_interval_s: int = 10) -> list[QueryResult]:
