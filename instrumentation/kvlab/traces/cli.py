@@ -87,7 +87,8 @@ def _pct(part: int | None, whole: int | None) -> str:
 
 
 def cmd_list(source: TraceSource, args: argparse.Namespace, console: Console) -> int:
-    requests = {str(r["trace_id"]).lower(): r for r in load_requests(args.run) if r.get("trace_id")} if not args.jaeger else {}
+    requests = ({str(r["trace_id"]).lower(): r for r in load_requests(args.run) if r.get("trace_id")}
+                if not args.jaeger else {})
     traces = source.traces(service=args.service)
     rows = []
     for t in reversed(traces):
@@ -143,7 +144,8 @@ def sample_request(rows: list[RequestHits], policy: str | None = None) -> Reques
     """The newest request (of `policy`) that had a cached prefix somewhere, else the newest one."""
     rows = [r for r in rows if policy is None or r.policy == policy]
     with_cache = [r for r in rows if r.available > 0]
-    return (with_cache or rows or [None])[-1]
+    candidates = with_cache or rows
+    return candidates[-1] if candidates else None
 
 
 def decision_table(d: Decision) -> Table:

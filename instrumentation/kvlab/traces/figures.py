@@ -129,7 +129,8 @@ def hitrate_figure(rows: Iterable[RequestHits]) -> go.Figure:
         rs = [r for r in rows if (r.policy or "?") == policy and r.ttft_ms is not None]
         fig.add_trace(go.Scatter(
             x=[r.delivered / r.prompt_tokens if r.prompt_tokens else 0 for r in rs], y=[r.ttft_ms for r in rs],
-            mode="markers", name=f"{policy} requests", marker=dict(color=PALETTE[i % len(PALETTE)], size=6, opacity=0.7),
+            mode="markers", name=f"{policy} requests",
+            marker=dict(color=PALETTE[i % len(PALETTE)], size=6, opacity=0.7),
             hovertext=[f"{r.trace_id}<br>{r.replica}: available {r.available}, predicted {r.predicted}, "
                        f"delivered {r.delivered} of {r.prompt_tokens}" for r in rs], hoverinfo="text+y"),
             row=1, col=2)
@@ -137,7 +138,8 @@ def hitrate_figure(rows: Iterable[RequestHits]) -> go.Figure:
     fig.update_xaxes(tickformat=".0%", title="delivered / prompt tokens", row=1, col=2)
     fig.update_yaxes(title="client TTFT, ms", row=1, col=2)
     fig.update_layout(barmode="group", height=460, template="plotly_white",
-                      title="Hit-rate decomposition: what was cached anywhere, what routing aimed at, what the engine reused",
+                      title="Hit-rate decomposition: what was cached anywhere, what routing aimed at, "
+                            "what the engine reused",
                       margin=dict(l=10, r=10, t=80, b=40))
     return fig
 

@@ -23,7 +23,8 @@ def stack_info(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "stack.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())
+            info: dict[str, Any] = json.loads(path.read_text())
+            return info
         except ValueError:
             return {}
     return {}

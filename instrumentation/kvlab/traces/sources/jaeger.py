@@ -59,7 +59,8 @@ class JaegerSource(TraceSource):
         url = f"{self.base_url}{path}" + (f"?{query}" if query else "")
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:
-                return resp.read().decode()
+                body: bytes = resp.read()
+                return body.decode()
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return None
