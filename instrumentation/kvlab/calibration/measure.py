@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 
@@ -30,7 +30,15 @@ KVLAB = [sys.executable, "-m", "kvlab.cli"]
 Rows = list[dict[str, Any]]
 
 
-def start_engine(args: list[str], log: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
+class Streamed(TypedDict):
+    """One streamed completion as `stream` measured it."""
+
+    ttft_ms: float
+    times: list[float]       # seconds from the request to each token
+    cached: int              # the engine's `cached_tokens`
+
+
+def start_engine(args: list[str], log: Path, timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
     """`kvlab engine ARGS` in its own session; (process, URL of its first replica) once ready."""
     ready = log.with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
@@ -43,7 +51,8 @@ def start_engine(args: list[str], log: Path, timeout_s: float) -> tuple[subproce
             terminate(proc, 30)
             raise StackError(f"`kvlab engine {args[0]}` did not start in {timeout_s:.0f} s; see {log}")
         time.sleep(0.5)
-    return proc, json.loads(ready.read_text())["replicas"][0]["url"]
+    url: str = json.loads(ready.read_text())["replicas"][0]["url"]
+    return proc, url
 
 
 def cached_tokens(n: int, fraction: float, block_size: int) -> int:
@@ -51,13 +60,13 @@ def cached_tokens(n: int, fraction: float, block_size: int) -> int:
     return min(int(n * fraction) // block_size * block_size, (n - 1) // block_size * block_size)
 
 
-async def stream(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def stream(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> Streamed:
     """One streamed completion: TTFT, the times of its tokens, and `cached_tokens`."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
-    usage: dict = {}
+    usage: dict[str, Any] = {}
     async with client.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise StackError(f"{url}: HTTP {r.status}: {(await r.read())[:300]!r}")
@@ -72,7 +81,7 @@ async def stream(client: aiohttp.ClientSession, url: str, model: str, prompt: li
                 usage = d["usage"]
     if not times:
         raise StackError(f"{url}: a streamed completion carried no token")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    cached: int = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"ttft_ms": times[0] * 1000, "times": times, "cached": cached}
 
 
@@ -89,7 +98,7 @@ class Grid:
         return len(self.lengths) * len(self.fractions) + len(self.batches)
 
     async def ttft(self, client: aiohttp.ClientSession, url: str, n: int, cached: int, rng: random.Random,
-                   visible: list[int]) -> dict:
+                   visible: list[int]) -> dict[str, Any]:
         prompt = [rng.choice(visible) for _ in range(n)]
         if cached:
             await stream(client, url, self.model, prompt[:cached], 1)       # prime exactly `cached` tokens
@@ -97,7 +106,7 @@ class Grid:
         return {"n": n, "cached": res["cached"], "primed": cached, "ttft_ms": res["ttft_ms"]}
 
     async def itl(self, client: aiohttp.ClientSession, url: str, batch: int, rng: random.Random,
-                  visible: list[int]) -> dict:
+                  visible: list[int]) -> dict[str, Any]:
         prompts = [[rng.choice(visible) for _ in range(self.itl_prompt)] for _ in range(batch)]
         results = await asyncio.gather(*(stream(client, url, self.model, p, self.itl_tokens) for p in prompts))
         itls = [(r["times"][-1] - r["times"][0]) * 1000 / (self.itl_tokens - 1) for r in results]
@@ -127,8 +136,8 @@ class Grid:
         return out
 
 
-def medians(rows: Rows, key: tuple[str, ...], value: str) -> dict[tuple, float]:
-    groups: dict[tuple, list[float]] = {}
+def medians(rows: Rows, key: tuple[str, ...], value: str) -> dict[tuple[Any, ...], float]:
+    groups: dict[tuple[Any, ...], list[float]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in key), []).append(r[value])
     return {k: statistics.median(v) for k, v in groups.items()}
@@ -136,7 +145,7 @@ def medians(rows: Rows, key: tuple[str, ...], value: str) -> dict[tuple, float]:
 
 def spread(rows: Rows, key: tuple[str, ...], value: str) -> float:
     """Median over points of (max - min) / median across repeats: how noisy the machine was."""
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple[Any, ...], list[float]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in key), []).append(r[value])
     rel = [(max(v) - min(v)) / statistics.median(v) for v in groups.values() if len(v) > 1]
