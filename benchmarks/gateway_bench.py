@@ -172,8 +172,10 @@ def routing_figures(iters: int) -> list[tuple[int, float, float, float, float, f
         while len(tok.tok.encode(text)) < target * 0.97:
             lines.append(" ".join(rng.choice(vocab) for _ in range(12)) + ".")
             text = "\n".join(lines)
-        system = text
-        msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+
+        def msgs(q: str, system: str = text) -> list[dict[str, str]]:
+            return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
         cold = []
         for i in range(5):
             fresh = PromptTokenizer(tok.tok)

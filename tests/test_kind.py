@@ -143,7 +143,8 @@ def test_dry_run_touches_nothing(monkeypatch, capsys):
         assert cli.main([*argv, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "[1/" in out and "kind: Deployment" in out and "vllm/vllm-openai" in out
-    docs = [d for d in yaml.safe_load_all("\n".join(l for l in out.splitlines() if not l.startswith("[")).replace("\n...\n", "\n---\n")) if d]
+    manifest = "\n".join(line for line in out.splitlines() if not line.startswith("["))
+    docs = [d for d in yaml.safe_load_all(manifest.replace("\n...\n", "\n---\n")) if d]
     assert any(d.get("kind") == "Service" and d["metadata"]["name"] == "kvlab-baseline" for d in docs)
 
 

@@ -101,7 +101,7 @@ def test_secure_defaults(rendered, gpu):
 
 
 def test_no_secret_values(rendered):
-    for (name, gpu), manifests in rendered.items():
+    for (name, _gpu), manifests in rendered.items():
         assert not [x for x in manifests if x["kind"] == "Secret"]
         text = json.dumps(manifests)
         assert "hf_" not in text.lower().replace("hf_token", "").replace("hf_home", "")

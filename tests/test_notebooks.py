@@ -59,7 +59,7 @@ def test_every_notebook_has_objectives_parameters_checkpoints_and_troubleshootin
         params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1 and 'TARGET = "local"' in params[0].source, ipynb.name
         assert "## Checkpoints" in text and "## Troubleshooting" in text, ipynb.name
-        checkpoint = nb.cells[[i for i, c in enumerate(nb.cells) if "## Checkpoints" in c.source][0] + 1]
+        checkpoint = nb.cells[next(i for i, c in enumerate(nb.cells) if "## Checkpoints" in c.source) + 1]
         assert checkpoint.cell_type == "code" and "assert " in checkpoint.source, ipynb.name
 
 

@@ -37,7 +37,7 @@ def test_a_long_prefill_stalls_a_running_decode_and_the_record_shows_it(replica)
                                                         chat_body(streaming, "kvlab-tiny", 0), {}, record))
     thread.start()
     time.sleep(0.15)    # the stream is decoding when the long prompt arrives (60 steps take > 300 ms)
-    long_prompt = list([1000 + i % 1000 for i in range(LONG_TOKENS)])
+    long_prompt = [1000 + i % 1000 for i in range(LONG_TOKENS)]
     r = requests.post(f"{replica}/v1/completions", json={"model": "kvlab-tiny", "prompt": long_prompt,
                                                          "max_tokens": 1}, timeout=60)
     assert r.status_code == 200

@@ -130,8 +130,7 @@ def test_stream_chunks_one_token_each_and_usage_last():
                 "stream": True, "stream_options": {"include_usage": True}}
         async with session.post("/v1/chat/completions", json=body) as r:
             assert r.headers[names.HEADER_REPLICA] == "sim"
-            raw = (await r.read()).decode()
-        return raw
+            return (await r.read()).decode()
 
     raw = run_with_replica(fn)
     events = [e[len("data: "):] for e in raw.split("\n\n") if e]

@@ -125,7 +125,7 @@ def test_figures(run_dir: Path, tmp_path: Path):
     d = decision_figure(decision_of(traces[1]))
     totals = d.data[1]
     assert list(totals.x) == [1.0, 3.2, 2.5]
-    assert [c for c in totals.marker.color].count("#E45756") == 1 and totals.y[1].startswith("★")
+    assert list(totals.marker.color).count("#E45756") == 1 and totals.y[1].startswith("★")
     hr = hitrate_figure(request_hits(traces))
     assert {bar.name for bar in hr.data if bar.type == "bar"} == {"available", "predicted", "delivered"}
     page = write_html([wf, d, hr], tmp_path / "out.html")

@@ -250,8 +250,8 @@ def test_kv_aware_gateway_routes_repeats_to_the_holder_and_traces_join(stack, ga
     rng = _rng()
     tok = Tokenizer()
     doc = _text_of_tokens(4 * BS, rng, tok)              # a shared document: 4 full blocks
-    trace_id = "%032x" % rng.getrandbits(128)
-    headers = {"traceparent": f"00-{trace_id}-{'%016x' % rng.getrandbits(64)}-01"}
+    trace_id = f"{rng.getrandbits(128):032x}"
+    headers = {"traceparent": f"00-{trace_id}-{rng.getrandbits(64):016x}-01"}
     first = _complete(gateway, doc + " question zero?", headers=headers)
     holder = first.headers[names.HEADER_ROUTED_TO]
     assert holder in {"vllm-0", "vllm-1"}
