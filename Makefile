@@ -1,5 +1,5 @@
 # kvlab: `make lab` runs the before/after lab on local processes; `make test` runs the test suite.
-# Both bootstrap .venv with pip on a fresh machine (Python >= 3.10 with venv).
+# Both bootstrap .venv with pip on a fresh machine (Python >= 3.11 with venv).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
