@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def run(tmp_path: Path) -> tuple[Path, dict]:
 
 def test_chain_figure_from_the_workloads_token_ids():
     prompts = mechanism.prompt_tokens(WORKLOAD["name"], WORKLOAD["seed"], WORKLOAD["params"], n=12)
-    (g, a), b = prompts[0], next(t for g2, t in prompts[1:] if g2 == prompts[0][0] and t != prompts[0][1])
+    (_, a), b = prompts[0], next(t for g, t in prompts[1:] if g == prompts[0][0] and t != prompts[0][1])
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     fig = mechanism.chain_figure(a, b, 16, flip_at=20)
     rows = fig.data[0].z
@@ -145,8 +146,6 @@ def test_report_draws_every_mechanism_figure_in_chromium(run, tmp_path: Path):
     require(binary is not None, "the chromium binary")
     root, phases = run
     page = write_report(root / "report.html", phases, {"run": "t"})
-    import subprocess
-
     proc = subprocess.run([binary, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000",
                            "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     dom = proc.stdout
