@@ -136,6 +136,9 @@ def test_report_section_only_for_a_run_directory(run, tmp_path: Path):
     assert mechanism.section(None, phases, {}) == "" and mechanism.section(tmp_path, phases, {}) == ""
     html = write_report(root / "report.html", phases, {"run": "t"}).read_text()
     assert "Why: the mechanism in this run" in html and html.count("Plotly.newPlot") == 8
+    (root / "summary.json").write_text("{not json")          # a damaged run still gets its report
+    html = write_report(root / "report.html", phases, {"run": "t"}).read_text()
+    assert "could not be drawn" in html and html.count("Plotly.newPlot") == 5
 
 
 @pytest.mark.browser

@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from kvlab.errors import KvlabError
 from kvlab.kvcache.hashing import block_keys
 from kvlab.traces import explain
 from kvlab.traces.decision import Decision, decision_of
@@ -256,7 +257,10 @@ def section(run_dir: Path | None, phases: dict[str, dict[str, Any]], config: dic
     run directory: it needs the run's summary.json and traces)."""
     if run_dir is None or not (run_dir / "summary.json").is_file():
         return ""
-    figs, decisions = figures(run_dir, phases)
+    try:
+        figs, decisions = figures(run_dir, phases)
+    except (KvlabError, OSError, ValueError, KeyError) as exc:   # the rest of the report still stands
+        return f'<p class="note">The mechanism section could not be drawn: {html.escape(str(exc))}</p>'
     divs = "".join(f"<div>{pio.to_html(f, include_plotlyjs=False, full_html=False, config=config)}</div>"
                    for f in figs)
     words = examples_html(decisions) if decisions else ""
