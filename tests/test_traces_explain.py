@@ -19,6 +19,7 @@ from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
 from kvlab.traces import cli, explain
 from kvlab.traces.decision import Candidate, Decision
+from kvlab.traces.figures import decision_figure
 from kvlab.traces.sources.otlp_files import OtlpFileSource
 
 KV_WEIGHTS = {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5, "inflight": 1.0, "inflight_tokens": 0.0,
@@ -101,6 +102,8 @@ def test_zero_weight_scorers_hidden_unless_asked():
     assert "in-flight" in short and "queue" in short and "KV use" in short
     console.print(cli.decision_table(d, all_scorers=True))
     assert "predicted_ttft ×0" in console.export_text()
+    assert list(decision_figure(d).data[0].x) == ["prefix ×3", "queue ×1", "kv_usage ×0.5", "inflight ×1"]
+    assert "predicted_ttft ×0" in decision_figure(d, all_scorers=True).data[0].x
 
 
 # ---- selectors on a run's span files ------------------------------------------------------------

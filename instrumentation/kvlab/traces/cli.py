@@ -256,7 +256,8 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
     if args.html:
         from kvlab.traces.figures import decision_figure, hitrate_figure, waterfall_figure, write_html
 
-        figs = [decision_figure(d), waterfall_figure(trace)] + ([hitrate_figure(rows)] if rows else [])
+        figs = [decision_figure(d, args.all_scorers), waterfall_figure(trace)]
+        figs += [hitrate_figure(rows)] if rows else []
         out = write_html(figs, args.html, f"kvlab: why trace {trace.trace_id} went to {d.chosen}")
         console.print(f"figures written to {out}")
     return 0
