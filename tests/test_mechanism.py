@@ -121,6 +121,8 @@ def test_funnel_and_examples(run):
     assert [t.name for t in fig.data] == ["round-robin", "kv-aware"]
     kv = fig.data[1].x
     assert kv[0] >= kv[1] >= kv[2] > 0
+    blind = {"baseline-service": {"hit_rate": {"available": None, "predicted": None, "delivered": 0.2}}}
+    assert not mechanism.funnel_figure(blind).data       # unknown is not drawn as 0
     figs, decisions = mechanism.figures(root, phases)
     assert len(figs) == 3 and len(decisions) == len(REQUESTS)
     ex = mechanism.examples(decisions)

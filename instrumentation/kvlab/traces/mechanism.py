@@ -185,7 +185,9 @@ def funnel_figure(summaries: dict[str, dict[str, Any]]) -> go.Figure:
     colors = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e"]
     for i, (phase, s) in enumerate(summaries.items()):
         hit = s.get("hit_rate") or {}
-        values = [float(hit.get(k) or 0.0) for k in ("available", "predicted", "delivered")]
+        if any(hit.get(k) is None for k in ("available", "predicted", "delivered")):
+            continue     # not behind the gateway (a cluster's baseline Service): unknown, not 0
+        values = [float(hit[k]) for k in ("available", "predicted", "delivered")]
         fig.add_trace(go.Funnel(name=phase, y=["available (any replica)", "predicted (chosen replica)",
                                                "delivered (engine reused)"], x=values,
                                 texttemplate="%{x:.0%}", marker=dict(color=colors[i % 4]),
@@ -248,7 +250,9 @@ def figures(run_dir: Path, phases: dict[str, dict[str, Any]]) -> tuple[list[go.F
         res = residency(traces, records)
         if res:
             figs.append(residency_figure(res))
-    figs.append(funnel_figure({p: v["summary"] for p, v in phases.items()}))
+    funnel = funnel_figure({p: v["summary"] for p, v in phases.items()})
+    if funnel.data:
+        figs.append(funnel)
     return figs, decisions
 
 
