@@ -145,6 +145,32 @@ print(ratios)
 print(f"report: {report}")
 
 # %% [markdown]
+# ## 6. Why: the mechanism, drawn from this run
+# Three pictures made from this run's own data (the report has them too):
+# - **Chained block hashes** of two real prompts of the workload: a block's key hashes its parent's
+#   key with its own tokens, so equal keys mean equal *prefixes*. Two prompts of one group share
+#   every block up to the question; change one early token and no block after it matches.
+# - **Where each group lives**: for every request, the decision span records each replica's cached
+#   prefix of that prompt in the gateway's KV-event index. Round-robin smears each group over
+#   every replica (and loses it to eviction); kv-aware keeps a group on one replica. The slider
+#   steps through the phase; the numbers count evictions the index saw.
+# - **The funnel**: available → predicted (lost to routing) → delivered (lost to eviction or a
+#   stale index).
+#
+# Then three decisions in words, as `kvlab traces explain` says them. Try
+# `kvlab traces explain --reason round-robin --limit 5` or `kvlab traces explain --worst 3` in a terminal.
+
+# %%
+from kvlab.traces import explain, mechanism
+
+pictures, decisions = mechanism.figures(run_dir, phases)
+for fig in pictures:
+    fig.show()
+kv_weights = explain.kv_weights_of(decisions)
+for label, d in mechanism.examples(decisions).items():
+    print(f"{label}: " + (explain.sentence(d, kv_weights) if d else "none in this run"))
+
+# %% [markdown]
 # ## Checkpoints
 
 # %%
@@ -159,6 +185,7 @@ if TARGET == "local":
     assert ha["available"] - ha["predicted"] <= 0.1, "kv-aware should capture nearly all the available cache"
     mean = {p: sum(v.values()) / len(v) for p, v in spread.items()}
     assert mean["kv-aware"] < mean["round-robin"], f"groups should stay on fewer replicas: {mean}"
+    assert len(pictures) == 3, "the chain, residency and funnel pictures need the run's summary.json and traces"
 print(f"✓ {headline(summaries)}")
 
 # %% [markdown]

@@ -14,6 +14,7 @@ from kvlab.load.table import ROWS, metric_value
 from kvlab.report import figures
 from kvlab.report.autoscale import section as autoscale_section
 from kvlab.report.pd import section as pd_section
+from kvlab.traces.mechanism import section as mechanism_section
 
 PLOT_CONFIG = {"displaylogo": False}
 
@@ -75,8 +76,9 @@ def title(phases: dict[str, dict[str, Any]]) -> str:
     return f"kvlab: {' vs '.join(phases)}{ramp}"
 
 
-def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
-    """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ..."""
+def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any], run_dir: Path | None = None) -> str:
+    """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ...;
+    run_dir: the run's files (traces, summary.json) for the mechanism section, if any."""
     summaries = {p: v["summary"] for p, v in phases.items()}
     records = {p: v["records"] for p, v in phases.items()}
     figs = [figures.ttft_cdf(records), figures.hit_rates(summaries), figures.throughput(records),
@@ -100,6 +102,7 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 <div class="grid">{''.join(f'<div>{d}</div>' for d in divs)}</div>
 <div>{wide}</div>
 {NOTES}
+{mechanism_section(run_dir, phases, PLOT_CONFIG)}
 <script type="application/json" id="kvlab-summary">{summary_json}</script>
 </body></html>
 """
@@ -108,5 +111,5 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 def write_report(path: str | Path, phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Path:
     """Write the report to `path` and return it."""
     out = Path(path)
-    out.write_text(render(phases, meta), encoding="utf-8")
+    out.write_text(render(phases, meta, out.parent), encoding="utf-8")
     return out

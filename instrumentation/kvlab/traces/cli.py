@@ -3,11 +3,14 @@
     kvlab traces list    [--run DIR | --jaeger URL] [--limit N] [--service NAME] [--policy NAME]
     kvlab traces show    TRACE_ID [--run DIR | --jaeger URL] [--html OUT]
     kvlab traces explain [TRACE_ID] [--run DIR | --jaeger URL] [--policy NAME] [--html OUT]
+                         [--reason R] [--replica NAME] [--worst N] [--limit N] [--all-scorers]
 
 Without --run or --jaeger the run is runs/latest. `explain` without a trace id picks a sample
 request (the newest gateway request that had a cached prefix somewhere) and prints its
-candidates, scores, chosen replica and the three hit-rate numbers, then the run's decomposition
-per policy joined with client TTFT.
+candidates (weighted scores, raw queue/running/in-flight/KV use, cached prefix), one sentence
+saying which scorers decided (for a cache-blind policy: what kv-aware would have picked), the
+three hit-rate numbers, then the run's decomposition per policy joined with client TTFT. With
+--reason, --replica or --worst it prints one sentence per matching decision instead.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from rich.tree import Tree
 
 from kvlab.errors import KvlabError
 from kvlab.telemetry import names as n
+from kvlab.traces import explain
 from kvlab.traces.decision import Decision, decision_of
 from kvlab.traces.hitrate import RequestHits, request_hits, summarize
 from kvlab.traces.run import load_requests
@@ -59,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("trace_id", nargs="?", help="default: a sample request of the run")
     ex.add_argument("--policy", help="pick the sample among requests of this policy")
     ex.add_argument("--html", type=Path, metavar="OUT", help="write waterfall, why-this-replica and hit-rate figures")
+    ex.add_argument("--reason", help="explain every decision with this reason (e.g. load-over-prefix, round-robin)")
+    ex.add_argument("--replica", help="explain every decision that chose this replica")
+    ex.add_argument("--worst", type=int, metavar="N", help="explain the N requests with the highest client TTFT")
+    ex.add_argument("--limit", type=int, default=10, help="at most this many sentences with --reason/--replica")
+    ex.add_argument("--all-scorers", action="store_true", help="also show scorers whose weight is zero")
     return p
 
 
@@ -148,8 +157,10 @@ def sample_request(rows: list[RequestHits], policy: str | None = None) -> Reques
     return candidates[-1] if candidates else None
 
 
-def decision_table(d: Decision) -> Table:
-    scorers = d.scorers
+def decision_table(d: Decision, all_scorers: bool = False) -> Table:
+    """Candidates with their weighted scores (zero-weight scorers only with `all_scorers`), total,
+    cached prefix and the raw load the scorers saw."""
+    scorers = explain.visible_scorers(d, all_scorers)
     table = Table(title=f"candidates — policy {d.policy}, chosen {d.chosen}, reason {d.reason}"
                         + (" (shadow scores: not used by the policy)" if d.shadow else ""))
     table.add_column("replica")
@@ -157,11 +168,14 @@ def decision_table(d: Decision) -> Table:
         table.add_column(f"{s} ×{d.weights[s]:g}" if s in d.weights else s, justify="right")
     table.add_column("total", justify="right")
     table.add_column("cached prefix", justify="right")
+    for _, label in explain.LOAD_COLUMNS:
+        table.add_column(label, justify="right")
     for c in d.candidates:
         style = "bold green" if c.chosen else None
         table.add_row(("★ " if c.chosen else "  ") + c.replica,
                       *[f"{c.scores[s]:.3f}" if s in c.scores else "–" for s in scorers],
-                      f"{c.total:.3f}" if c.total is not None else "–", _fmt(c.prefix_tokens), style=style)
+                      f"{c.total:.3f}" if c.total is not None else "–", _fmt(c.prefix_tokens),
+                      *explain.load_cells(c), style=style)
     return table
 
 
@@ -192,9 +206,35 @@ def summary_table(rows: list[RequestHits]) -> Table:
     return table
 
 
+def cmd_explain_many(traces: list[Trace], rows: list[RequestHits], args: argparse.Namespace,
+                     console: Console) -> int:
+    """One sentence per decision chosen by --reason/--replica/--worst/--policy."""
+    ttft = {r.trace_id: r.ttft_ms for r in rows}
+    decisions = [(d, ttft.get(t.trace_id)) for t in traces if (d := decision_of(t)) is not None]
+    picked = explain.select(decisions, reason=args.reason, replica=args.replica, policy=args.policy,
+                            worst=args.worst)
+    wanted = ", ".join(f"{k} {v}" for k, v in (("reason", args.reason), ("replica", args.replica),
+                                               ("policy", args.policy), ("worst", args.worst)) if v is not None)
+    if not picked:
+        counts = explain.reasons([d for d, _ in decisions])
+        raise KvlabError(f"no decision with {wanted}; reasons in this run: "
+                         + ", ".join(f"{k} ({v})" for k, v in sorted(counts.items())))
+    kv = explain.kv_weights_of(d for d, _ in decisions)
+    shown = picked if args.worst is not None else picked[: args.limit]
+    console.print(f"[bold]{len(picked)} decisions[/] with {wanted}"
+                  + (f" (first {len(shown)}; --limit to see more)" if len(shown) < len(picked) else ""))
+    for s in shown:
+        d = s.decision
+        console.print(f"[cyan]{d.trace_id[:12]}[/] TTFT {_fmt(s.ttft_ms)} ms, prompt {_fmt(d.prompt_tokens)}, "
+                      f"delivered {_fmt(d.delivered)}: {explain.sentence(d, kv)}")
+    return 0
+
+
 def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console) -> int:
     traces = source.traces()
     rows = request_hits(traces, [] if args.jaeger else load_requests(args.run))
+    if not args.trace_id and (args.reason or args.replica or args.worst is not None):
+        return cmd_explain_many(traces, rows, args, console)
     if args.trace_id:
         trace = _find(source, args.trace_id)
     else:
@@ -206,7 +246,9 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
     if d is None:
         raise KvlabError(f"trace {trace.trace_id} has no {n.SPAN_SCHEDULE} span (not a gateway request)")
     ttft = next((r.ttft_ms for r in rows if r.trace_id == trace.trace_id), None)
-    console.print(decision_table(d))
+    console.print(decision_table(d, args.all_scorers))
+    kv = explain.kv_weights_of(x for t in traces if (x := decision_of(t)) is not None) if d.shadow else None
+    console.print(explain.sentence(d, kv))
     for line in explain_lines(d, ttft):
         console.print(line)
     if rows:
@@ -214,7 +256,8 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
     if args.html:
         from kvlab.traces.figures import decision_figure, hitrate_figure, waterfall_figure, write_html
 
-        figs = [decision_figure(d), waterfall_figure(trace)] + ([hitrate_figure(rows)] if rows else [])
+        figs = [decision_figure(d, args.all_scorers), waterfall_figure(trace)]
+        figs += [hitrate_figure(rows)] if rows else []
         out = write_html(figs, args.html, f"kvlab: why trace {trace.trace_id} went to {d.chosen}")
         console.print(f"figures written to {out}")
     return 0

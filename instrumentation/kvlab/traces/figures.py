@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.telemetry import names as n
 from kvlab.traces.decision import Decision
+from kvlab.traces.explain import visible_scorers
 from kvlab.traces.hitrate import RequestHits, summarize
 from kvlab.traces.span import Span, Trace
 
@@ -68,11 +69,11 @@ def waterfall_figure(trace: Trace) -> go.Figure:
     return fig
 
 
-def decision_figure(d: Decision) -> go.Figure:
-    """Candidates × scorer scores (heatmap), weighted totals and cached prefix per candidate;
-    the chosen replica highlighted."""
+def decision_figure(d: Decision, all_scorers: bool = False) -> go.Figure:
+    """Candidates × scorer scores (heatmap; zero-weight scorers only with `all_scorers`), weighted
+    totals and cached prefix per candidate; the chosen replica highlighted."""
     cands = d.candidates
-    scorers = d.scorers
+    scorers = visible_scorers(d, all_scorers)
     labels = [f"★ {c.replica}" if c.chosen else c.replica for c in cands]
     fig = make_subplots(rows=1, cols=3, shared_yaxes=True, column_widths=[0.5, 0.25, 0.25],
                         horizontal_spacing=0.03,

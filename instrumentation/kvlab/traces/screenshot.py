@@ -33,3 +33,22 @@ def screenshot(html: Path, png: Path, width: int = 1400, height: int = 1000, bud
     if not png.is_file() or png.stat().st_size == 0:
         raise RuntimeError(f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-500:]}")
     return png
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvlab.traces.screenshot PAGE.html OUT.png [--width W] [--height H]` (the README's
+    picture of the report: scripts/readme-screenshot.sh)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvlab.traces.screenshot", description=main.__doc__)
+    p.add_argument("html", type=Path)
+    p.add_argument("png", type=Path)
+    p.add_argument("--width", type=int, default=1400)
+    p.add_argument("--height", type=int, default=1000)
+    args = p.parse_args(argv)
+    print(screenshot(args.html, args.png, args.width, args.height, budget_ms=10000))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
