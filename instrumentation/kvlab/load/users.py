@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import msgspec
 import requests
@@ -76,8 +77,10 @@ class ChatUser(User):
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
                         group=req.group, turn=req.turn)
         attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
-                 names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name}
-        with tracer.start_as_current_span(names.SPAN_CLIENT_REQUEST, kind=SpanKind.CLIENT, attributes=attrs) as span:
+                 names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
+                 **_genai_client_attributes(self.host)}
+        with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
+                                          attributes=attrs) as span:
             headers: dict[str, str] = {}
             propagate.inject(headers)
             ctx = span.get_span_context()
@@ -87,7 +90,7 @@ class ChatUser(User):
                         chat_body(req, feed.model, feed.workload.seed + n), headers, record)
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:
-                span.set_attribute(names.CLIENT_TTFT_MS, record.ttft_ms)
+                span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, record.ttft_ms / 1000)
             if record.replica:
                 span.set_attribute(names.REPLICA, record.replica)
             if record.prompt_tokens is not None:
@@ -109,3 +112,11 @@ class ChatUser(User):
                 fire(request_type="ITL", name="chat", response_time=record.itl_ms, response_length=0,
                      exception=None, context={})
         return record
+
+
+def _genai_client_attributes(host: str) -> dict[str, str | int | bool]:
+    """The GenAI attributes of client.request known before it is sent (docs/tracing.md)."""
+    url = urlsplit(host)
+    return {names.SPAN_ROLE: names.SPAN_CLIENT_REQUEST, names.GEN_AI_PROVIDER_NAME: names.GEN_AI_PROVIDER_VLLM,
+            names.GEN_AI_REQUEST_STREAM: True, names.SERVER_ADDRESS: url.hostname or "",
+            names.SERVER_PORT: url.port or (443 if url.scheme == "https" else 80)}
