@@ -78,7 +78,7 @@ class ChatUser(User):
                         group=req.group, turn=req.turn)
         attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
-                 **_genai_client_attributes(self.host)}
+                 **_genai_client_attributes(self.host or "")}
         with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
                                           attributes=attrs) as span:
             headers: dict[str, str] = {}
