@@ -202,6 +202,8 @@ def main() -> int:
     setups = [
         Setup("tracing off", {"OTEL_TRACES_EXPORTER": "none", "OTEL_TRACES_SAMPLER": "always_off"}),
         Setup(f"before ({args.baseline}): 100 %, SDK batch export in-process", otlp, tree="baseline"),
+        Setup("after: 100 %, spans made, not exported", {"OTEL_TRACES_EXPORTER": "none",
+                                                         "OTEL_TRACES_SAMPLER": "always_on"}),
         Setup("after: 100 %, SDK batch export in-process", {**otlp, "KVLAB_TRACES_EXPORT_PROCESS": "0"}),
         Setup("after: 100 %, export in a child process (default)", otlp),
         Setup("after: client samples 10 %, parent-based", otlp, sample_ratio=0.1),

@@ -274,7 +274,7 @@ def test_spans_one_trace_from_client_to_replica(sims, spans, otlp):
     # the gateway's TTFT histogram links to this trace (an OpenMetrics exemplar)
     assert f'# {{trace_id="{trace_id}"}}' in exposition
     mine = {span_role(s): s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
-    assert {names.SPAN_GATEWAY_REQUEST, names.SPAN_TOKENIZE, names.SPAN_SCHEDULE, names.SPAN_UPSTREAM} <= set(mine)
+    assert {names.SPAN_GATEWAY_REQUEST, names.SPAN_SCHEDULE, names.SPAN_UPSTREAM} <= set(mine)
     req, sched, up = mine[names.SPAN_GATEWAY_REQUEST], mine[names.SPAN_SCHEDULE], mine[names.SPAN_UPSTREAM]
     assert req.kind == trace.SpanKind.SERVER and up.kind == trace.SpanKind.CLIENT
     assert req.parent.span_id == mine[names.SPAN_CLIENT_REQUEST].context.span_id

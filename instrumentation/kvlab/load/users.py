@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import msgspec
 import requests
@@ -23,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.workloads import Request, Workload
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 tracer = trace.get_tracer("kvlab.load")
 
@@ -78,7 +77,7 @@ class ChatUser(User):
                         group=req.group, turn=req.turn)
         attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
-                 **_genai_client_attributes(self.host or "")}
+                 names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}
         with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
                                           attributes=attrs) as span:
             headers: dict[str, str] = {}
@@ -112,11 +111,3 @@ class ChatUser(User):
                 fire(request_type="ITL", name="chat", response_time=record.itl_ms, response_length=0,
                      exception=None, context={})
         return record
-
-
-def _genai_client_attributes(host: str) -> dict[str, str | int | bool]:
-    """The GenAI attributes of client.request known before it is sent (docs/tracing.md)."""
-    url = urlsplit(host)
-    return {names.SPAN_ROLE: names.SPAN_CLIENT_REQUEST, names.GEN_AI_PROVIDER_NAME: names.GEN_AI_PROVIDER_VLLM,
-            names.GEN_AI_REQUEST_STREAM: True, names.SERVER_ADDRESS: url.hostname or "",
-            names.SERVER_PORT: url.port or (443 if url.scheme == "https" else 80)}

@@ -6,7 +6,6 @@ each one with its meaning; add new names here, never as string literals at the c
 
 # ---- span names -------------------------------------------------------------------------
 SPAN_GATEWAY_REQUEST = "gateway.request"        # SERVER, one per request at the gateway
-SPAN_TOKENIZE = "gateway.tokenize"
 SPAN_SCHEDULE = "gateway.schedule"              # filters -> scorers -> picker
 SPAN_PD_DECISION = "gateway.pd_decision"
 SPAN_UPSTREAM = "gateway.upstream"              # CLIENT, propagates context to the replica

@@ -34,7 +34,7 @@ from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
 from kvlab.httpedge import decode, read_body
 from kvlab.httpedge import errors as _errors
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 if TYPE_CHECKING:
     from kvlab.engine.sim.replica import Replica
@@ -195,7 +195,8 @@ class Api:
             self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
         span = tracer.start_span(names.genai_span_name("chat" if chat else "text_completion", body.model or self.model),
-                                 context=ctx, kind=SpanKind.SERVER, start_time=t0, attributes=_span_start(request))
+                                 context=ctx, kind=SpanKind.SERVER, start_time=t0,
+                                 attributes=genai.span_attributes(names.SPAN_ENGINE_REQUEST, f"http://{request.host}"))
         status = 200
         try:
             if params is not None and params.do_remote_prefill:
@@ -355,9 +356,3 @@ class Api:
     def _child(name: str, parent, start: int, end: int, attrs: dict) -> None:
         s = tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
         s.end(end_time=end)
-
-
-def _span_start(request: web.Request) -> dict[str, str | int]:
-    """The GenAI attributes engine.request carries from its start (docs/tracing.md)."""
-    return {names.SPAN_ROLE: names.SPAN_ENGINE_REQUEST, names.GEN_AI_PROVIDER_NAME: names.GEN_AI_PROVIDER_VLLM,
-            names.SERVER_ADDRESS: request.url.host or "", names.SERVER_PORT: request.url.port or 0}
