@@ -10,12 +10,15 @@ request a client root span's W3C `traceparent` (sampled or not, as a Locust user
 sends it). Each setup restarts only the gateway with other settings; the replicas never trace.
 
 Setups: tracing off; the baseline tree (`--baseline`, default: the commit before issue 21's
-tracing work, checked out with `git archive` into a temporary directory) at 100 % sampling
-exporting OTLP/HTTP; the current tree at 100 % sampling, exported the same way and with the
-OTLP/JSON encoding; and the current tree with a 10 % parent-based sample decided by the client
-(`kvlab load`'s default for load tests, docs/tracing.md). Throughput is req/s served at
-saturation; overhead is the gateway's added latency (via gateway - direct to the replica,
-alternating, sequential requests at low load) p50/p99, so it excludes queueing.
+tracing work, exported with `git archive` into a temporary directory) at 100 % sampling exporting
+OTLP/HTTP in-process; the current tree at 100 % sampling with spans made but not exported, with the
+SDK's in-process batch export, and with export in a child process (its default,
+kvlab.telemetry.relay); and the current tree with a 10 % parent-based sample decided by the
+client. Columns: req/s at saturation and its cost; the gateway process's own CPU per request over
+the same window and the cost that implies on a core of its own (1 - off/setup: the steadier figure
+on a shared machine); the export child's CPU per request; the gateway's added latency (via
+gateway - direct to the replica, sequential pairs at low load) p50/p99, so it excludes queueing.
+docs/benchmarks.md, "Tracing cost", has a run.
 """
 
 from __future__ import annotations
