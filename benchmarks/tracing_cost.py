@@ -43,6 +43,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvlab.lifecycle import wait_http
+from kvlab.stack.local import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BASELINE = "7733dde"   # main before issue 21's tracing-cost work
@@ -57,27 +60,6 @@ class Setup:
     tree: str = "current"          # current | baseline
     sample_ratio: float = 1.0      # the client's sampling decision (sampled flag of its traceparent)
     result: dict[str, float] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except Exception:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def receiver_main(port: int) -> None:
@@ -98,7 +80,7 @@ def receiver_main(port: int) -> None:
 def started(cmd: list[str], env: dict[str, str], url: str) -> Iterator[subprocess.Popen[bytes]]:
     p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
     try:
-        wait_http(url)
+        wait_http(url, p, timeout_s=60)
         yield p
     finally:
         p.terminate()

@@ -141,9 +141,8 @@ class Disaggregation:
         kind, error, last = "none", "no prefill replica", None
         for attempt, cand in enumerate(plan.prefill[: 1 + gw.cfg.limits.max_retries]):
             r = last = cand.replica
-            attrs = genai.span_attributes(names.SPAN_PREFILL_CALL, r.url)
-            with gw.tracer.start_as_current_span(genai.name_of(root, names.SPAN_PREFILL_CALL), kind=SpanKind.CLIENT,
-                                                 attributes=attrs) as ps:
+            call_name, attrs = genai.call_of(root, names.SPAN_PREFILL_CALL, r.url)
+            with gw.tracer.start_as_current_span(call_name, kind=SpanKind.CLIENT, attributes=attrs) as ps:
                 ps.set_attributes({names.REPLICA: r.name, names.ENDPOINT: r.url, names.SCHEDULE_ATTEMPT: attempt,
                                    names.PREFIX_PREDICTED_TOKENS: cand.prefix_tokens})
                 headers = {"Content-Type": "application/json"}

@@ -431,8 +431,8 @@ class Gateway:
             span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
             span.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, cand.speculative_tokens)
             span.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
-            with self.tracer.start_as_current_span(genai.name_of(span, call), kind=SpanKind.CLIENT,
-                                                   attributes=genai.span_attributes(call, r.url)) as up:
+            up_name, up_attrs = genai.call_of(span, call, r.url)
+            with self.tracer.start_as_current_span(up_name, kind=SpanKind.CLIENT, attributes=up_attrs) as up:
                 up.set_attribute(names.REPLICA, r.name)
                 up.set_attribute(names.ENDPOINT, r.url)
                 up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)

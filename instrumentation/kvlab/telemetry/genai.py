@@ -28,7 +28,13 @@ def span_attributes(role: str, url: str) -> dict[str, str | int]:
             names.SERVER_ADDRESS: host, names.SERVER_PORT: port}
 
 
-def name_of(span: trace.Span, default: str) -> str:
-    """The name of a recording span (an upstream call is named like the request it serves)."""
-    name = getattr(span, "name", None)
-    return name if isinstance(name, str) else default
+def call_of(request_span: trace.Span, role: str, url: str) -> tuple[str, dict[str, str | int]]:
+    """Name and start attributes of a call to a replica made for `request_span`: the same GenAI
+    operation and model (read back from a recording span; a non-recording one has neither)."""
+    attrs = span_attributes(role, url)
+    recorded = getattr(request_span, "attributes", None) or {}
+    for key in (names.GEN_AI_OPERATION_NAME, names.GEN_AI_REQUEST_MODEL):
+        if isinstance(recorded.get(key), str):
+            attrs[key] = recorded[key]
+    name = getattr(request_span, "name", None)
+    return (name if isinstance(name, str) else role), attrs

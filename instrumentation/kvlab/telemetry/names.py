@@ -42,7 +42,8 @@ GEN_AI_OPERATION_NAME = "gen_ai.operation.name"          # "chat" | "text_comple
 GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"            # required; kvlab's engines are vLLM (real or simulated)
 GEN_AI_PROVIDER_VLLM = "vllm"
 GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
-GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"   # = usage.prompt_tokens_details.cached_tokens
+# = the engine's usage.prompt_tokens_details.cached_tokens
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"     # seconds (double), streaming only
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
@@ -63,7 +64,8 @@ PROMPT_TOKENS = "kvlab.prompt_tokens"
 BLOCK_SIZE = "kvlab.block_size"
 PREFIX_AVAILABLE_TOKENS = "kvlab.prefix.available_tokens"   # best cached prefix on any replica
 PREFIX_PREDICTED_TOKENS = "kvlab.prefix.predicted_tokens"   # cached prefix on the chosen replica
-PREFIX_DELIVERED_TOKENS = GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS  # cached_tokens the replica reported (was kvlab.prefix.delivered_tokens)
+# delivered: the cached_tokens the replica reported (before issue 21: kvlab.prefix.delivered_tokens)
+PREFIX_DELIVERED_TOKENS = GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
 PREFIX_SPECULATIVE_TOKENS = "kvlab.prefix.speculative_tokens"  # part of predicted not yet confirmed by KV events
 SCHEDULE_CHOSEN = "kvlab.schedule.chosen"
 SCHEDULE_REASON = "kvlab.schedule.reason"
