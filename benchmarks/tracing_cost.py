@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvlab.lifecycle import wait_http
+from kvlab.lifecycle import terminate, wait_http
 from kvlab.stack.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,7 @@ def started(cmd: list[str], env: dict[str, str], url: str) -> Iterator[subproces
         wait_http(url, p, timeout_s=60)
         yield p
     finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        terminate(p)
 
 
 def baseline_tree(rev: str, into: Path) -> Path:
@@ -218,8 +213,7 @@ def main() -> int:
                         progress.advance(task)
             console.print(f"load average after: {os.getloadavg()[0]:.2f}")
         finally:
-            sim.terminate()
-            sim.wait(10)
+            terminate(sim)
     table = Table(title=f"gateway tracing cost at saturation ({args.concurrency} clients, "
                         f"{args.seconds:g} s x {args.rounds} rounds, best round)")
     for col in ("setup", "req/s", "cost", "gateway CPU µs/req", "CPU cost", "export child µs/req",
