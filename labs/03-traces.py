@@ -77,7 +77,7 @@ print(f"{len(traces)} traces from {source.describe()}; {len(rows)} gateway reque
 # %% [markdown]
 # ## 2. One request, end to end
 # A kv-aware request that found its prefix cached. The waterfall shows the Locust user's
-# `client.request`, the gateway's `gateway.request` with `gateway.tokenize`, `gateway.schedule` and
+# `client.request`, the gateway's `gateway.request` (tokenization is on it) with `gateway.schedule` and
 # `gateway.upstream`, then the replica's `engine.request` with `engine.queue`, `engine.prefill`
 # (hover it: computed vs cached tokens) and `engine.decode`. One trace id, three services.
 

@@ -97,3 +97,11 @@ def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def span_role(span) -> str:
+    """kvlab's role name of an SDK span: GenAI spans are named `{operation} {model}` and carry
+    their role as `kvlab.span.role` (docs/tracing.md); the others are named by it."""
+    from kvlab.telemetry import names
+
+    return span.attributes.get(names.SPAN_ROLE, span.name)

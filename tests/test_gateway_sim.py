@@ -30,7 +30,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import free_port
+from conftest import free_port, span_role
 from kvlab.gateway.config import load_policy
 from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
 from kvlab.gateway.server import Gateway
@@ -60,7 +60,9 @@ class OtlpReceiver:
                     for ss in rs.scope_spans:
                         for s in ss.spans:
                             receiver.spans.append({"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                                                   "parent": s.parent_span_id.hex(), "name": s.name})
+                                                   "parent": s.parent_span_id.hex(), "name": s.name,
+                                                   "role": next((a.value.string_value for a in s.attributes
+                                                                 if a.key == names.SPAN_ROLE), s.name)})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
@@ -271,8 +273,8 @@ def test_spans_one_trace_from_client_to_replica(sims, spans, otlp):
     trace_id, exposition = asyncio.run(asyncio.wait_for(go(), 60))
     # the gateway's TTFT histogram links to this trace (an OpenMetrics exemplar)
     assert f'# {{trace_id="{trace_id}"}}' in exposition
-    mine = {s.name: s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
-    assert {names.SPAN_GATEWAY_REQUEST, names.SPAN_TOKENIZE, names.SPAN_SCHEDULE, names.SPAN_UPSTREAM} <= set(mine)
+    mine = {span_role(s): s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
+    assert {names.SPAN_GATEWAY_REQUEST, names.SPAN_SCHEDULE, names.SPAN_UPSTREAM} <= set(mine)
     req, sched, up = mine[names.SPAN_GATEWAY_REQUEST], mine[names.SPAN_SCHEDULE], mine[names.SPAN_UPSTREAM]
     assert req.kind == trace.SpanKind.SERVER and up.kind == trace.SpanKind.CLIENT
     assert req.parent.span_id == mine[names.SPAN_CLIENT_REQUEST].context.span_id
@@ -294,7 +296,7 @@ def test_spans_one_trace_from_client_to_replica(sims, spans, otlp):
     deadline = time.monotonic() + 10
     engine = []
     while time.monotonic() < deadline and not engine:
-        engine = [s for s in otlp.spans if s["trace_id"] == trace_id and s["name"] == names.SPAN_ENGINE_REQUEST]
+        engine = [s for s in otlp.spans if s["trace_id"] == trace_id and s["role"] == names.SPAN_ENGINE_REQUEST]
         time.sleep(0.1)
     assert engine, "no engine span with the client's trace id"
     assert engine[0]["parent"] == format(up.context.span_id, "016x")

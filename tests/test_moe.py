@@ -12,6 +12,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import span_role
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.engine.sim.dp import LockstepGroup
@@ -107,7 +108,7 @@ def test_moe_dispatch_span_on_a_data_parallel_replica(exporter):
                 await r.stop()
 
     body = asyncio.run(main())
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    spans = {span_role(s): s for s in exporter.get_finished_spans()}
     req, moe = spans[names.SPAN_ENGINE_REQUEST], spans[names.SPAN_ENGINE_MOE_DISPATCH]
     assert moe.parent.span_id == req.context.span_id
     assert req.attributes[names.DP_RANK] == 1 and moe.attributes[names.DP_RANK] == 1

@@ -152,7 +152,7 @@ def test_one_trace_id_from_client_to_replica(lab):
     assert gateway.service != engine.service
     # the replica's span hangs under the gateway's upstream call, which hangs under the request
     upstream = next(s for s in t if s.span_id == engine.parent_id)
-    assert upstream.name == n.SPAN_UPSTREAM and upstream.parent_id == gateway.span_id
+    assert upstream.role == n.SPAN_UPSTREAM and upstream.parent_id == gateway.span_id
     d = decision_of(t)
     assert d.chosen == engine.attr(n.REPLICA) and d.candidates and d.prompt_tokens
 

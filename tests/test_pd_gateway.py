@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from conftest import free_port
+from conftest import free_port, span_role
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.gateway.config import PDSettings, load_policy
 from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
@@ -130,7 +130,7 @@ def test_split_unified_and_one_trace(tmp_path, exporter):
     spans = [s for s in exporter.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
     by_name: dict[str, list] = {}
     for s in spans:
-        by_name.setdefault(s.name, []).append(s)
+        by_name.setdefault(span_role(s), []).append(s)
     (root,) = by_name[names.SPAN_GATEWAY_REQUEST]
     (dec,) = by_name[names.SPAN_PD_DECISION]
     (pcall,) = by_name[names.SPAN_PREFILL_CALL]
@@ -161,12 +161,12 @@ def test_prefill_failure_falls_back_to_unified(tmp_path, exporter):
     assert st == 200, body
     assert h[names.HEADER_PD_DECISION] == "fallback" and h[names.HEADER_ROUTED_TO] == "decode"
     spans = exporter.get_finished_spans()
-    (root,) = [s for s in spans if s.name == names.SPAN_GATEWAY_REQUEST]
+    (root,) = [s for s in spans if span_role(s) == names.SPAN_GATEWAY_REQUEST]
     events = [e for e in root.events if e.name == names.EVENT_PD_FALLBACK]
     assert len(events) == 1 and events[0].attributes[names.PD_REASON] == "prefill-connect"
     assert root.attributes[names.PD_FALLBACK] is True
-    (pcall,) = [s for s in spans if s.name == names.SPAN_PREFILL_CALL]
+    (pcall,) = [s for s in spans if span_role(s) == names.SPAN_PREFILL_CALL]
     assert pcall.status.status_code == StatusCode.ERROR
-    (engine,) = [s for s in spans if s.name == names.SPAN_ENGINE_REQUEST]
+    (engine,) = [s for s in spans if span_role(s) == names.SPAN_ENGINE_REQUEST]
     assert names.PD_ROLE not in engine.attributes          # an ordinary request on the decode replica
     assert not [s for s in spans if s.name == names.SPAN_ENGINE_KV_TRANSFER]

@@ -10,6 +10,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import span_role
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.engine.sim.profile import get_profile
 from kvlab.telemetry import names
@@ -94,7 +95,7 @@ def test_prefill_hands_over_and_decode_pulls_only_what_it_lacks(exporter):
     assert first.attributes[names.KV_TRANSFER_TOKENS] == 384
     assert first.attributes[names.KV_TRANSFER_LOCAL_TOKENS] == 0
     assert first.attributes[names.PD_PREFILL_REPLICA] == "prefill"
-    roots = {s.context.span_id: s for s in spans if s.name == names.SPAN_ENGINE_REQUEST}
+    roots = {s.context.span_id: s for s in spans if span_role(s) == names.SPAN_ENGINE_REQUEST}
     assert roots[first.parent.span_id].attributes[names.PD_ROLE] == "decode"
     assert {s.attributes.get(names.PD_ROLE) for s in roots.values()} == {"prefill", "decode"}
 

@@ -42,12 +42,11 @@ def _provider(service: str, exporter: InMemorySpanExporter) -> TracerProvider:
 def make_request(gw, sim, policy: str, chosen: str, predicted: int, delivered: int) -> str:
     """One request the way gateway and replica record it; returns its trace id."""
     tracer, engine = gw.get_tracer("kvlab.gateway"), sim.get_tracer("kvlab.engine")
-    with tracer.start_as_current_span(n.SPAN_GATEWAY_REQUEST, kind=trace.SpanKind.SERVER) as root:
+    with tracer.start_as_current_span("chat m", kind=trace.SpanKind.SERVER,
+                                      attributes={n.SPAN_ROLE: n.SPAN_GATEWAY_REQUEST}) as root:
         root.set_attributes({n.POLICY: policy, n.PROMPT_TOKENS: 128, n.PREFIX_AVAILABLE_TOKENS: 96,
                              n.PREFIX_PREDICTED_TOKENS: predicted, n.PREFIX_DELIVERED_TOKENS: delivered,
                              n.REPLICA: chosen})
-        with tracer.start_as_current_span(n.SPAN_TOKENIZE):
-            pass
         with tracer.start_as_current_span(n.SPAN_SCHEDULE) as s:
             s.set_attributes({n.SCHEDULE_CANDIDATES: json.dumps(CANDIDATES), n.SCHEDULE_CHOSEN: chosen,
                               n.SCHEDULE_WEIGHTS: json.dumps({"prefix": 3.0, "queue": 1.0}),
@@ -55,8 +54,9 @@ def make_request(gw, sim, policy: str, chosen: str, predicted: int, delivered: i
                               n.SCHEDULE_SHADOW: policy != "kv-aware", n.POLICY: policy,
                               n.PREFIX_AVAILABLE_TOKENS: 96, n.PREFIX_PREDICTED_TOKENS: predicted})
             s.add_event("picked", {n.REPLICA: chosen})
-        with tracer.start_as_current_span(n.SPAN_UPSTREAM, kind=trace.SpanKind.CLIENT):
-            with engine.start_as_current_span(n.SPAN_ENGINE_REQUEST, kind=trace.SpanKind.SERVER) as e:
+        with tracer.start_as_current_span("chat m", kind=trace.SpanKind.CLIENT, attributes={n.SPAN_ROLE: n.SPAN_UPSTREAM}):
+            with engine.start_as_current_span("chat m", kind=trace.SpanKind.SERVER,
+                                              attributes={n.SPAN_ROLE: n.SPAN_ENGINE_REQUEST}) as e:
                 e.set_attribute(n.ENGINE_CACHED_TOKENS, delivered)
                 with engine.start_as_current_span(n.SPAN_ENGINE_PREFILL):
                     pass
@@ -91,9 +91,9 @@ def test_files_source_groups_processes_into_one_trace(run_dir: Path):
     assert len(traces) == 2
     t = traces[1]
     assert t.services == ["kvlab-gateway", "kvlab-sim"]
-    assert t.root.name == n.SPAN_GATEWAY_REQUEST
-    walk = [(depth, s.name) for depth, s in t.walk()]
-    assert walk == [(0, n.SPAN_GATEWAY_REQUEST), (1, n.SPAN_TOKENIZE), (1, n.SPAN_SCHEDULE), (1, n.SPAN_UPSTREAM),
+    assert t.root.role == n.SPAN_GATEWAY_REQUEST and t.root.name == "chat m"
+    walk = [(depth, s.role) for depth, s in t.walk()]
+    assert walk == [(0, n.SPAN_GATEWAY_REQUEST), (1, n.SPAN_SCHEDULE), (1, n.SPAN_UPSTREAM),
                     (2, n.SPAN_ENGINE_REQUEST), (3, n.SPAN_ENGINE_PREFILL)]
     assert src.trace(t.trace_id.upper()) is t
     assert src.traces(limit=1) == [t]
@@ -120,7 +120,7 @@ def test_decision_and_hit_rates(run_dir: Path):
 def test_figures(run_dir: Path, tmp_path: Path):
     traces = OtlpFileSource(run_dir / "traces").traces()
     wf = waterfall_figure(traces[1])
-    assert sum(len(bar.y) for bar in wf.data) == 6
+    assert sum(len(bar.y) for bar in wf.data) == 5   # request, schedule, upstream, engine request, prefill
     assert {bar.name for bar in wf.data} == {"kvlab-gateway", "kvlab-sim"}
     d = decision_figure(decision_of(traces[1]))
     totals = d.data[1]
@@ -223,9 +223,9 @@ def test_jaeger_source_reads_the_same_traces_as_the_files(jaeger_url, run_dir: P
                [(s.span_id, s.parent_id, s.name, s.service, s.kind, s.start_ns, s.end_ns, s.attributes,
                  s.status, s.events) for s in theirs]
     t = src.trace(files[1].trace_id.upper())
-    assert t.services == ["kvlab-gateway", "kvlab-sim"] and t.root.name == n.SPAN_GATEWAY_REQUEST
+    assert t.services == ["kvlab-gateway", "kvlab-sim"] and t.root.role == n.SPAN_GATEWAY_REQUEST
     assert t.first(n.SPAN_SCHEDULE).events[0].name == "picked" and t.root.kind == "server"
-    assert [(d, s.name) for d, s in t.walk()][-2:] == [(2, n.SPAN_ENGINE_REQUEST), (3, n.SPAN_ENGINE_PREFILL)]
+    assert [(d, s.role) for d, s in t.walk()][-2:] == [(2, n.SPAN_ENGINE_REQUEST), (3, n.SPAN_ENGINE_PREFILL)]
     d = decision_of(t)
     assert (d.chosen, d.policy, d.shadow, d.available, d.predicted, d.delivered) == ("sim-1", "kv-aware", False, 96, 96, 80)
     assert [c.prefix_tokens for c in d.candidates] == [0, 96, 64]

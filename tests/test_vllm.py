@@ -242,7 +242,9 @@ def _spans(traces_dir: Path) -> list[dict]:
                                 if a["key"] == "service.name"), None)
                 for ss in rs.get("scopeSpans", []):
                     for s in ss.get("spans", []):
-                        out.append({"service": service, **s})
+                        role = next((a["value"].get("stringValue") for a in s.get("attributes", [])
+                                     if a["key"] == names.SPAN_ROLE), s["name"])
+                        out.append({"service": service, "role": role, **s})
     return out
 
 
@@ -266,14 +268,14 @@ def test_kv_aware_gateway_routes_repeats_to_the_holder_and_traces_join(stack, ga
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         spans = [s for s in _spans(stack["dir"] / "traces") if s["traceId"] == trace_id]
-        got = {s["name"] for s in spans}
+        got = {s["role"] for s in spans}
         if {"llm_request", names.SPAN_GATEWAY_REQUEST} <= got:
             break
         time.sleep(1)
     assert names.SPAN_GATEWAY_REQUEST in got, got
     assert "llm_request" in got, got
     vllm_span = next(s for s in spans if s["name"] == "llm_request")
-    upstream = {s["spanId"] for s in spans if s["name"] == names.SPAN_UPSTREAM}
+    upstream = {s["spanId"] for s in spans if s["role"] == names.SPAN_UPSTREAM}
     assert vllm_span["parentSpanId"] in upstream          # a child of the gateway's upstream call
 
 

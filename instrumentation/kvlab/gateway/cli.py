@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         return 2
     from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 
-    configure_tracing("kvlab-gateway")
+    configure_tracing("kvlab-gateway", export_process=True)
     try:
         run(serve(args, cfg, disc, tok))
     except OSError as exc:

@@ -27,7 +27,7 @@ from kvlab.gateway.config import PDSettings
 from kvlab.gateway.endpoints import Replica
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest
 from kvlab.kvcache.hashing import block_keys
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 if TYPE_CHECKING:
     from kvlab.gateway.router import Routed
@@ -141,7 +141,8 @@ class Disaggregation:
         kind, error, last = "none", "no prefill replica", None
         for attempt, cand in enumerate(plan.prefill[: 1 + gw.cfg.limits.max_retries]):
             r = last = cand.replica
-            with gw.tracer.start_as_current_span(names.SPAN_PREFILL_CALL, kind=SpanKind.CLIENT) as ps:
+            call_name, attrs = genai.call_of(root, names.SPAN_PREFILL_CALL, r.url)
+            with gw.tracer.start_as_current_span(call_name, kind=SpanKind.CLIENT, attributes=attrs) as ps:
                 ps.set_attributes({names.REPLICA: r.name, names.ENDPOINT: r.url, names.SCHEDULE_ATTEMPT: attempt,
                                    names.PREFIX_PREDICTED_TOKENS: cand.prefix_tokens})
                 headers = {"Content-Type": "application/json"}

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.workloads import Request, Workload
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 tracer = trace.get_tracer("kvlab.load")
 
@@ -76,8 +76,10 @@ class ChatUser(User):
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
                         group=req.group, turn=req.turn)
         attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
-                 names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name}
-        with tracer.start_as_current_span(names.SPAN_CLIENT_REQUEST, kind=SpanKind.CLIENT, attributes=attrs) as span:
+                 names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
+                 names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}
+        with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
+                                          attributes=attrs) as span:
             headers: dict[str, str] = {}
             propagate.inject(headers)
             ctx = span.get_span_context()
@@ -87,7 +89,7 @@ class ChatUser(User):
                         chat_body(req, feed.model, feed.workload.seed + n), headers, record)
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:
-                span.set_attribute(names.CLIENT_TTFT_MS, record.ttft_ms)
+                span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, record.ttft_ms / 1000)
             if record.replica:
                 span.set_attribute(names.REPLICA, record.replica)
             if record.prompt_tokens is not None:

@@ -6,7 +6,6 @@ each one with its meaning; add new names here, never as string literals at the c
 
 # ---- span names -------------------------------------------------------------------------
 SPAN_GATEWAY_REQUEST = "gateway.request"        # SERVER, one per request at the gateway
-SPAN_TOKENIZE = "gateway.tokenize"
 SPAN_SCHEDULE = "gateway.schedule"              # filters -> scorers -> picker
 SPAN_PD_DECISION = "gateway.pd_decision"
 SPAN_UPSTREAM = "gateway.upstream"              # CLIENT, propagates context to the replica
@@ -24,9 +23,28 @@ SPAN_STACK_RESTART = "stack.restart"                      # the supervisor resta
 SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
 SPAN_TOKENIZER_PROBE = "gateway.tokenizer_probe"  # tokenizer parity with a new replica (gateway/parity.py)
 
+# The GenAI spans (client.request, gateway.request, gateway.upstream / prefill_call / decode_call,
+# engine.request) are named `{gen_ai.operation.name} {gen_ai.request.model}` as the conventions
+# say; the SPAN_* name above is their role, kept in SPAN_ROLE for readers (kvlab.traces matches
+# either). Other spans keep their kvlab names (the conventions define no span for them).
+SPAN_ROLE = "kvlab.span.role"
+
+
+def genai_span_name(operation: str, model: object = None) -> str:
+    """`{gen_ai.operation.name} {gen_ai.request.model}`, or the operation alone without a model."""
+    return f"{operation} {model}" if isinstance(model, str) and model else operation
+
+
 # ---- GenAI semantic conventions ---------------------------------------------------------
+# open-telemetry/semantic-conventions-genai, docs/gen-ai/gen-ai-spans.md (inference span), as of
+# commit 9430220 (the GenAI conventions moved there after semantic-conventions v1.41)
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"          # "chat" | "text_completion"
-GEN_AI_SYSTEM = "gen_ai.system"                          # "vllm"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"            # required; kvlab's engines are vLLM (real or simulated)
+GEN_AI_PROVIDER_VLLM = "vllm"
+GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+# = the engine's usage.prompt_tokens_details.cached_tokens
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"     # seconds (double), streaming only
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
@@ -42,12 +60,12 @@ ERROR_TYPE = "error.type"
 REPLICA = "kvlab.replica"                         # replica name, e.g. "sim-0"
 ENDPOINT = "kvlab.endpoint"                       # replica URL
 POLICY = "kvlab.policy"
-STREAM = "kvlab.stream"
 PROMPT_TOKENS = "kvlab.prompt_tokens"
 BLOCK_SIZE = "kvlab.block_size"
 PREFIX_AVAILABLE_TOKENS = "kvlab.prefix.available_tokens"   # best cached prefix on any replica
 PREFIX_PREDICTED_TOKENS = "kvlab.prefix.predicted_tokens"   # cached prefix on the chosen replica
-PREFIX_DELIVERED_TOKENS = "kvlab.prefix.delivered_tokens"   # cached_tokens the replica reported
+# delivered: the cached_tokens the replica reported (before issue 21: kvlab.prefix.delivered_tokens)
+PREFIX_DELIVERED_TOKENS = GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
 PREFIX_SPECULATIVE_TOKENS = "kvlab.prefix.speculative_tokens"  # part of predicted not yet confirmed by KV events
 SCHEDULE_CHOSEN = "kvlab.schedule.chosen"
 SCHEDULE_REASON = "kvlab.schedule.reason"
@@ -116,7 +134,6 @@ STACK_CHILD = "kvlab.stack.child"                        # the restarted child (
 STACK_EXIT_CODE = "kvlab.stack.exit_code"                # how the dead child ended
 STACK_RESTARTS = "kvlab.stack.restarts"                  # restarts of that child so far
 SCALE_READY_MS = "kvlab.scale.ready_ms"                  # start -> listening (up) / drain time (down)
-CLIENT_TTFT_MS = "kvlab.client.ttft_ms"
 WORKLOAD = "kvlab.workload"
 
 # ---- response headers --------------------------------------------------------------------

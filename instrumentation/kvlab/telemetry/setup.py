@@ -31,9 +31,12 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from kvlab.telemetry.relay import SpanRelay
+
 log = logging.getLogger(__name__)
 
 _configured: TracerProvider | None = None
+EXPORT_PROCESS_ENV = "KVLAB_TRACES_EXPORT_PROCESS"
 _OTLP_BY_PROTOCOL = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
 
 
@@ -61,7 +64,8 @@ def exporter_names() -> list[str]:
     return names
 
 
-def _exporter(name: str) -> SpanExporter:
+def build_exporter(name: str) -> SpanExporter:
+    """The installed exporter of that entry-point name, configured from the environment."""
     found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
     if not found:
         raise LookupError(f"no trace exporter named {name!r} is installed")
@@ -70,12 +74,15 @@ def _exporter(name: str) -> SpanExporter:
 
 
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
-                      attributes: dict[str, str] | None = None) -> TracerProvider:
+                      attributes: dict[str, str] | None = None, export_process: bool = False) -> TracerProvider:
     """Install the global TracerProvider for this process (idempotent).
 
     `service_name` and `attributes` are defaults that `OTEL_SERVICE_NAME` and
     `OTEL_RESOURCE_ATTRIBUTES` override. `extra` adds a span processor (tests pass an in-memory
-    exporter's processor; the stack process its own OTLP exporter).
+    exporter's processor; the stack process its own OTLP exporter). `export_process` runs the
+    exporters in a child process (`kvlab.telemetry.relay`): what servers use, so that encoding
+    spans does not compete with their event loop for the GIL; `KVLAB_TRACES_EXPORT_PROCESS=0|1`
+    overrides it (0: the SDK's in-process BatchSpanProcessor).
     """
     global _configured
     if _configured is None and isinstance(trace.get_tracer_provider(), TracerProvider):
@@ -89,11 +96,16 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
     resource = Resource.create({"service.name": service_name, **(attributes or {})}).merge(
         OTELResourceDetector().detect())
     provider = TracerProvider(resource=resource)   # sampler from OTEL_TRACES_SAMPLER[_ARG]
-    for name in exporter_names():
-        try:
-            provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
-        except Exception as exc:  # telemetry never breaks the caller
-            log.warning("trace exporter %s disabled: %s", name, exc)
+    names = exporter_names()
+    export_process = os.environ.get(EXPORT_PROCESS_ENV, "1" if export_process else "0").strip() not in ("0", "")
+    if export_process and names:
+        provider.add_span_processor(SpanRelay(names, resource))
+    else:
+        for name in names:
+            try:
+                provider.add_span_processor(BatchSpanProcessor(build_exporter(name)))
+            except Exception as exc:  # telemetry never breaks the caller
+                log.warning("trace exporter %s disabled: %s", name, exc)
     if extra is not None:
         provider.add_span_processor(extra)
     trace.set_tracer_provider(provider)

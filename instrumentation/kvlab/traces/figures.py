@@ -45,7 +45,7 @@ def waterfall_figure(trace: Trace) -> go.Figure:
     t0 = trace.start_ns
     colors = {svc: PALETTE[i % len(PALETTE)] for i, svc in enumerate(trace.services)}
     fig = go.Figure()
-    labels = [INDENT * depth + s.name for depth, s in rows]
+    labels = [INDENT * depth + (s.name if s.role == s.name else f"{s.name} ({s.role})") for depth, s in rows]
     for svc in trace.services:
         idx = [i for i, (_, s) in enumerate(rows) if s.service == svc]
         fig.add_trace(go.Bar(

@@ -44,8 +44,10 @@ def request_hits(traces: Iterable[Trace], requests: Iterable[dict[str, Any]] = (
             continue
         client = clients.get(t.trace_id, {})
         ttft = client.get("ttft_ms")
-        if ttft is None:
-            ttft = t.attr(n.CLIENT_TTFT_MS, [n.SPAN_CLIENT_REQUEST])
+        client_span = t.first(n.SPAN_CLIENT_REQUEST)
+        if ttft is None and client_span is not None:
+            seconds = client_span.attr(n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK)
+            ttft = seconds * 1000 if isinstance(seconds, int | float) else None
         delivered = d.delivered if d.delivered is not None else client.get("cached_tokens")
         rows.append(RequestHits(
             trace_id=t.trace_id, start_ns=t.start_ns,

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.telemetry import names
+
 
 @dataclass(frozen=True, slots=True)
 class SpanEvent:
@@ -35,6 +37,13 @@ class Span:
     @property
     def duration_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def role(self) -> str:
+        """kvlab's name for what the span is (`gateway.request`, ...): GenAI spans carry it as an
+        attribute, their name being `{operation} {model}`; other spans are named by it."""
+        role = self.attributes.get(names.SPAN_ROLE)
+        return role if isinstance(role, str) else self.name
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attributes.get(key, default)
@@ -91,8 +100,9 @@ class Trace:
     def services(self) -> list[str]:
         return sorted({s.service for s in self.spans})
 
-    def find(self, name: str) -> list[Span]:
-        return [s for s in self.spans if s.name == name]
+    def find(self, role: str) -> list[Span]:
+        """The spans of that role (see `Span.role`)."""
+        return [s for s in self.spans if s.role == role]
 
     def first(self, name: str) -> Span | None:
         found = self.find(name)

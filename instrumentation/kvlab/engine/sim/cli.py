@@ -115,7 +115,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    configure_tracing("kvlab-sim")
+    configure_tracing("kvlab-sim", export_process=True)
     try:
         run(serve(args))
     except ConfigError as exc:

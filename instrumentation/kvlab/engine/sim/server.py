@@ -34,7 +34,7 @@ from kvlab.engine.sim.transfer import Pulled
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
 from kvlab.httpedge import decode, read_body
 from kvlab.httpedge import errors as _errors
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 if TYPE_CHECKING:
     from kvlab.engine.sim.replica import Replica
@@ -194,7 +194,9 @@ class Api:
         if params is not None:
             self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
-        span = tracer.start_span(names.SPAN_ENGINE_REQUEST, context=ctx, kind=SpanKind.SERVER, start_time=t0)
+        span = tracer.start_span(names.genai_span_name("chat" if chat else "text_completion", body.model or self.model),
+                                 context=ctx, kind=SpanKind.SERVER, start_time=t0,
+                                 attributes=genai.span_attributes(names.SPAN_ENGINE_REQUEST, f"http://{request.host}"))
         status = 200
         try:
             if params is not None and params.do_remote_prefill:
@@ -309,12 +311,14 @@ class Api:
                 names.GEN_AI_USAGE_INPUT_TOKENS: req.num_prompt,
                 names.GEN_AI_USAGE_OUTPUT_TOKENS: req.num_output,
                 names.REPLICA: self.name,
-                names.STREAM: body.stream,
+                names.GEN_AI_REQUEST_STREAM: bool(body.stream),
                 names.PROMPT_TOKENS: req.num_prompt,
-                names.ENGINE_CACHED_TOKENS: cached,
+                names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: cached,
                 names.BLOCK_SIZE: self.engine.scheduler.block_size,
                 names.HTTP_RESPONSE_STATUS_CODE: status,
             })
+            if body.stream and req.t_first_token:
+                span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, (req.t_first_token - req.t_arrival) / 1e9)
             if status != 200:
                 span.set_attribute(names.ERROR_TYPE, "client_disconnected")
                 span.set_status(Status(StatusCode.ERROR, "client disconnected"))

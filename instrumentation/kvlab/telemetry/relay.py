@@ -1,0 +1,201 @@
+"""Span export in a child process: the serving process only packs finished spans.
+
+The SDK's BatchSpanProcessor encodes OTLP in a thread of the serving process. In CPython that
+thread holds the GIL for ~50 µs per span (protobuf objects built in Python), so at saturation it
+competes with the event loop it is meant to spare: at 100 % sampling the gateway lost two thirds
+of its throughput (docs/benchmarks.md, "Tracing cost"). `SpanRelay` instead turns each sampled
+span into a plain tuple (a few µs), sends batches as one msgpack message down a pipe from a
+background thread (C encode, GIL released while writing), and a spawned child rebuilds the spans
+and runs the same exporters, each in the SDK's own BatchSpanProcessor (OTEL_BSP_* and every
+OTEL_EXPORTER_* variable apply there unchanged: the child inherits the environment).
+
+Back-pressure never reaches a request: the pending list is bounded (OTEL_BSP_MAX_QUEUE_SIZE,
+overflow dropped and counted), and only the sender thread can block on a full pipe. A dead child
+costs the spans, once logged, never the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
+
+log = logging.getLogger(__name__)
+
+_FLUSH = b"F"     # control messages; a span batch is a msgpack array, never one of these bytes
+_STOP = b"S"
+_Packed = tuple[Any, ...]
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def pack(span: ReadableSpan) -> _Packed:
+    """The fields OTLP carries, as msgpack-able values (trace ids as 16 bytes, enums as values)."""
+    ctx = span.context
+    parent = span.parent
+    scope = span.instrumentation_scope
+    return (span.name, ctx.trace_id.to_bytes(16, "big"), ctx.span_id, int(ctx.trace_flags),
+            parent.span_id if parent else 0, bool(parent and parent.is_remote), span.kind.value,
+            span.start_time, span.end_time, dict(span.attributes or {}),
+            [(e.name, e.timestamp, dict(e.attributes or {})) for e in span.events],
+            [(ln.context.trace_id.to_bytes(16, "big"), ln.context.span_id, int(ln.context.trace_flags),
+              ln.context.is_remote, dict(ln.attributes or {})) for ln in span.links],
+            span.status.status_code.value, span.status.description,
+            scope.name if scope else "", scope.version if scope else None)
+
+
+def unpack(p: Sequence[Any], resource: Resource) -> ReadableSpan:
+    (name, trace_id, span_id, flags, parent_id, parent_remote, kind, start, end, attrs,
+     events, links, code, description, scope_name, scope_version) = p
+    trace_id = int.from_bytes(trace_id, "big")
+    return ReadableSpan(
+        name=name, context=SpanContext(trace_id, span_id, False, TraceFlags(flags)),
+        parent=SpanContext(trace_id, parent_id, parent_remote, TraceFlags(flags)) if parent_id else None,
+        resource=resource, attributes=attrs,
+        events=[Event(n, a, timestamp=t) for n, t, a in events],
+        links=[Link(SpanContext(int.from_bytes(t, "big"), s, remote, TraceFlags(f)), a)
+               for t, s, f, remote, a in links],
+        kind=SpanKind(kind), status=Status(StatusCode(code), description),
+        start_time=start, end_time=end, instrumentation_scope=InstrumentationScope(scope_name, scope_version))
+
+
+def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dict[str, Any]) -> None:
+    """The exporting process: rebuild spans, hand them to the SDK's batch processors."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from kvlab.telemetry.setup import build_exporter
+
+    resource = Resource(resource_attrs)
+    processors = []
+    for name in exporter_names:
+        try:
+            processors.append(BatchSpanProcessor(build_exporter(name)))
+        except Exception as exc:  # telemetry never breaks the caller
+            log.warning("trace exporter %s disabled: %s", name, exc)
+    decoder = msgspec.msgpack.Decoder()
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            break   # the serving process is gone
+        if msg == _STOP:
+            break
+        if msg == _FLUSH:
+            for proc in processors:
+                proc.force_flush()
+            conn.send_bytes(_FLUSH)
+            continue
+        for packed in decoder.decode(msg):
+            span = unpack(packed, resource)
+            for proc in processors:
+                proc.on_end(span)
+    for proc in processors:
+        proc.shutdown()  # type: ignore[no-untyped-call]  # opentelemetry-sdk leaves it unannotated
+
+
+class SpanRelay(SpanProcessor):
+    """A SpanProcessor that exports through a child process (see the module docstring)."""
+
+    def __init__(self, exporter_names: list[str], resource: Resource) -> None:
+        ctx = multiprocessing.get_context("spawn")   # no fork of a process with threads and a loop
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, name="kvlab-span-export", daemon=True,
+                                 args=(child, exporter_names, dict(resource.attributes)))
+        self._proc.start()
+        child.close()
+        self._pending: list[_Packed] = []
+        self._max_queue = int(_env_number("OTEL_BSP_MAX_QUEUE_SIZE", 2048))
+        self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        self.dropped = 0
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._broken = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._run, name="kvlab-span-relay", daemon=True)
+        self._thread.start()
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._stopped or not span.context.trace_flags.sampled:
+            return
+        if len(self._pending) >= self._max_queue:
+            self.dropped += 1
+            return
+        self._pending.append(pack(span))
+        if len(self._pending) >= self._batch and not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            self._send()
+
+    def _send(self) -> bool:
+        """Ship what is pending; False once the child is unreachable."""
+        with self._send_lock:
+            batch, self._pending = self._pending, []
+            if not batch or self._broken:
+                return not self._broken
+            try:
+                message = self._encoder.encode(batch)
+            except (TypeError, OverflowError) as exc:   # an attribute value OTLP cannot carry either
+                log.warning("dropped %d spans: %s", len(batch), exc)
+                return True
+            try:
+                self._conn.send_bytes(message)
+            except (OSError, ValueError) as exc:
+                self._broken = True
+                log.warning("span export process gone (%s); spans are dropped from now on", exc)
+            return not self._broken
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if not self._send():
+            return False
+        with self._send_lock:
+            try:
+                self._conn.send_bytes(_FLUSH)
+                while self._conn.poll(timeout_millis / 1000):
+                    if self._conn.recv_bytes() == _FLUSH:
+                        return True
+            except (OSError, EOFError, ValueError):
+                self._broken = True
+        return False
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._send()
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(5)
+        with self._send_lock:
+            try:
+                self._conn.send_bytes(_STOP)
+            except (OSError, ValueError):
+                pass
+        self._proc.join(30)   # the child's processors flush, bounded by their own timeouts
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()

@@ -1,0 +1,99 @@
+"""kvlab.telemetry.relay: spans exported from a child process arrive exactly as the SDK's own
+in-process BatchSpanProcessor sends them, and a dead export process never breaks the server.
+
+Each case runs a fresh process (one TracerProvider per process) against a real OTLP/HTTP receiver
+(the one of test_telemetry_env)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_telemetry_env import http_receiver  # noqa: F401  (fixture)
+
+PROBE = r"""
+import json, multiprocessing, os, sys, time
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+provider = configure_tracing("relay-probe", export_process=True)
+tracer = trace.get_tracer("relay.probe", "1.2")
+remote = propagate.extract({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+if sys.argv[1] == "kill":
+    for child in multiprocessing.active_children():
+        child.kill(); child.join()
+with tracer.start_as_current_span("root", context=remote, kind=SpanKind.SERVER,
+                                  attributes={"s": "x", "i": 7, "f": 0.5, "b": True, "l": [1, 2]}) as root:
+    with tracer.start_as_current_span("child") as child:
+        child.add_event("ev", {"k": "v", "n": 3})
+        child.set_status(Status(StatusCode.ERROR, "boom"))
+    with tracer.start_span("linked", links=[Link(root.get_span_context(), {"why": "test"})]):
+        pass
+unsampled = propagate.extract({"traceparent": "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-00"})
+with tracer.start_as_current_span("not-sampled", context=unsampled):
+    pass
+flushed = provider.force_flush(10_000)
+t = time.monotonic()
+shutdown_tracing()
+print(json.dumps({"flushed": flushed, "shutdown_s": time.monotonic() - t}))
+"""
+
+
+def run_probe(url: str, mode: str, export_process: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env = {**base, "OTEL_EXPORTER_OTLP_ENDPOINT": url, "KVLAB_TRACES_EXPORT_PROCESS": export_process}
+    proc = subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def received_spans(got) -> list[tuple[str, dict, dict]]:
+    """(scope, resource, span) of every span received, ids and times included, sorted by name."""
+    out = []
+    for r in got.requests:
+        for rs in r["body"]["resourceSpans"]:
+            resource = {kv["key"]: kv["value"] for kv in rs["resource"]["attributes"]
+                        if kv["key"] != "service.instance.id"}   # a new one per process
+            for ss in rs["scopeSpans"]:
+                for span in ss["spans"]:
+                    out.append((json.dumps(ss["scope"], sort_keys=True), resource, span))
+    return sorted(out, key=lambda x: x[2]["name"])
+
+
+def test_relay_exports_what_the_sdk_exports(http_receiver):  # noqa: F811
+    url, got = http_receiver
+    out = run_probe(url, "normal", "0")
+    assert out["flushed"]
+    in_thread = received_spans(got)
+    got.requests.clear()
+    out = run_probe(url, "normal", "1")
+    assert out["flushed"]
+    relayed = received_spans(got)
+    assert [s["name"] for _, _, s in relayed] == ["child", "linked", "root"]   # the unsampled one is not sent
+    root = relayed[2][2]
+    assert root["traceId"] == "0af7651916cd43dd8448eb211c80319c" and root["parentSpanId"] == "b7ad6b7169203331"
+    assert relayed[0][2]["status"] == {"code": 2, "message": "boom"}
+    assert relayed[1][2]["links"][0]["spanId"] == root["spanId"]
+
+    def shape(spans):   # ids and times differ between the two runs; everything else must not
+        keep = []
+        for scope, resource, span in spans:
+            span = {k: v for k, v in span.items() if k not in ("traceId", "spanId", "parentSpanId",
+                                                                  "startTimeUnixNano", "endTimeUnixNano")}
+            for ev in span.get("events", []):
+                ev.pop("timeUnixNano")
+            for link in span.get("links", []):
+                link.pop("traceId"), link.pop("spanId")
+            keep.append((scope, resource, span))
+        return keep
+
+    assert shape(relayed) == shape(in_thread)
+
+
+def test_dead_export_process_never_breaks_the_server(http_receiver):  # noqa: F811
+    url, got = http_receiver
+    out = run_probe(url, "kill", "1")
+    assert not out["flushed"] and out["shutdown_s"] < 10
+    assert got.requests == []
