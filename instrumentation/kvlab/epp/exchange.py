@@ -20,6 +20,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab import httpedge
+from kvlab.epp import DESTINATION_HEADER
 from kvlab.epp import protocol as proto
 from kvlab.epp.picker import OPERATIONS, Pick, Picker
 from kvlab.errors import NoEndpointAvailable, RequestError
@@ -131,7 +132,7 @@ class Exchange:
         span.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
         span.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
         span.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
-        upstream = {proto.DESTINATION_HEADER: ",".join(p.endpoints)}
+        upstream = {DESTINATION_HEADER: ",".join(p.endpoints)}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(upstream)      # the replica's engine.request continues this trace
         duplex = self.req_mode == proto.FULL_DUPLEX and self.resp_mode == proto.FULL_DUPLEX

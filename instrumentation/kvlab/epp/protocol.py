@@ -20,16 +20,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvlab.epp import (
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 from kvlab.errors import RequestError
-
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-METADATA_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-# gRPC health services an EPP answers besides its own service name (the protocol's health section)
-HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
 
 FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
 

@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvlab.epp import SERVICE_NAME
 from kvlab.epp import protocol as proto
 from kvlab.epp.exchange import Exchange
 from kvlab.epp.picker import Picker
@@ -53,7 +54,7 @@ class Processor:
 async def set_health(h: health.aio.HealthServicer, ready: bool) -> None:
     await h.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", "readiness", proto.SERVICE_NAME):
+    for name in ("", "readiness", SERVICE_NAME):
         await h.set(name, status)
 
 
