@@ -70,7 +70,7 @@ class Envoy:
 
     def exchange(self, body: bytes | None, path: str = "/v1/chat/completions", chunks: int = 3,
                  extra: dict[str, str] | None = None, subset: list[str] | None = None,
-                 forward: bool = True) -> dict:
+                 forward: bool = True, mode: str = "FULL_DUPLEX_STREAMED") -> dict:
         """Request phase, forward to the first picked endpoint, response phase; what Envoy saw."""
         s = Stream(self.stub)
         md = base_pb2.Metadata()
@@ -78,8 +78,8 @@ class Envoy:
             hint = struct_pb2.Struct()
             hint.update({"x-gateway-destination-endpoint-subset": subset})
             md.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
-        cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.FULL_DUPLEX_STREAMED,
-                                             response_body_mode=Mode.FULL_DUPLEX_STREAMED)
+        cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.BodySendMode.Value(mode),
+                                             response_body_mode=Mode.BodySendMode.Value(mode))
         hdrs = {":method": "POST" if body is not None else "GET", ":path": path, ":authority": "gw",
                 "content-type": "application/json", **(extra or {})}
         s.send(request_headers=_headers(hdrs, end=body is None), metadata_context=md, protocol_config=cfg)
@@ -253,3 +253,31 @@ def test_bodyless_get_routed_on_load(epp):
     envoy, sims, _ = epp
     out = envoy.exchange(None, path="/v1/models", forward=False)
     assert out["upstream_headers"][DEST].split(",")[0] in {r["url"].split("://")[1] for r in sims["replicas"]}
+
+
+def test_buffered_mode_answers_headers_at_once_and_routes_with_the_body(epp):
+    envoy, sims, _ = epp
+    s = Stream(envoy.stub)
+    cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.BUFFERED, response_body_mode=Mode.BUFFERED)
+    s.send(request_headers=_headers({":method": "POST", ":path": "/v1/completions"}, end=False), protocol_config=cfg)
+    first = s.recv()
+    assert first.HasField("request_headers") and not _mutations(first.request_headers.response)
+    s.send(request_body=ext_proc.HttpBody(body=json.dumps({"model": "kvlab-tiny", "prompt": _doc(5),
+                                                           "max_tokens": 2}).encode(), end_of_stream=True))
+    body = s.recv()
+    assert body.HasField("request_body")
+    picked = _mutations(body.request_body.response)[DEST].split(",")[0]
+    assert picked in {r["url"].split("://")[1] for r in sims["replicas"]}
+    assert body.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DEST].string_value.startswith(picked)
+    s.close()
+
+
+def test_unroutable_body_mode_is_a_clear_503(epp):
+    envoy, _, _ = epp
+    s = Stream(envoy.stub)
+    cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.STREAMED, response_body_mode=Mode.STREAMED)
+    s.send(request_headers=_headers({":method": "POST", ":path": "/v1/completions"}, end=False), protocol_config=cfg)
+    out = s.recv()
+    s.close()
+    assert out.immediate_response.status.code == 503
+    assert b"FULL_DUPLEX_STREAMED" in out.immediate_response.body
