@@ -11,7 +11,7 @@ each phase is benched through, touching nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import IO, Any
 
 from kvlab.errors import KvlabError
 from kvlab.stack.kind import gatewayapi, llmd
@@ -63,7 +63,7 @@ def lab_plan(policies: list[str] | None, topology: Topology) -> list[LabPhase]:
     return out
 
 
-def print_lab_plan(phases: list[LabPhase], topology: Topology, cluster: m.Cluster, out: TextIO) -> None:
+def print_lab_plan(phases: list[LabPhase], topology: Topology, cluster: m.Cluster, out: IO[str]) -> None:
     """The dry-run of `kvlab lab --cluster`: what must be deployed, then what each phase benches."""
     from kvlab.stack.kind import plan
     from kvlab.stack.kind.forward import node_port_url
