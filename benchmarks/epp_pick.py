@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+from kvlab.lifecycle import terminate
 
 KVLAB = [sys.executable, "-m", "kvlab.cli"]
 
@@ -123,11 +124,7 @@ def main() -> None:
             print(f"{chunks:>6} {pct[0]:>8.2f} {pct[1]:>8.2f} {pct[2]:>8.2f} {route:>12.2f} {tok:>12.2f}")
     finally:
         for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc, 15)
 
 
 def platform_line() -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from google.protobuf import struct_pb2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from kvlab.lifecycle import terminate  # noqa: E402
 from kvlab.telemetry import names  # noqa: E402
 
 DEST = "x-gateway-destination-endpoint"
@@ -157,12 +157,7 @@ def epp(tmp_path_factory) -> Iterator[tuple[Envoy, dict, str]]:
             yield Envoy(f"127.0.0.1:{port}"), sims, f"http://127.0.0.1:{mport}"
             assert proc.poll() is None, "the EPP died during the tests"
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc, 15)
 
 
 def _chat(doc: str, question: str, stream: bool = False) -> bytes:
@@ -255,12 +250,17 @@ def test_bodyless_get_routed_on_load(epp):
     assert out["upstream_headers"][DEST].split(",")[0] in {r["url"].split("://")[1] for r in sims["replicas"]}
 
 
+def _open(envoy: Envoy, mode: int) -> tuple[Stream, object]:
+    """A POST /v1/completions stream in body `mode`: its request headers sent, the first answer read."""
+    s = Stream(envoy.stub)
+    cfg = ext_proc.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode)
+    s.send(request_headers=_headers({":method": "POST", ":path": "/v1/completions"}, end=False), protocol_config=cfg)
+    return s, s.recv()
+
+
 def test_buffered_mode_answers_headers_at_once_and_routes_with_the_body(epp):
     envoy, sims, _ = epp
-    s = Stream(envoy.stub)
-    cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.BUFFERED, response_body_mode=Mode.BUFFERED)
-    s.send(request_headers=_headers({":method": "POST", ":path": "/v1/completions"}, end=False), protocol_config=cfg)
-    first = s.recv()
+    s, first = _open(envoy, Mode.BUFFERED)
     assert first.HasField("request_headers") and not _mutations(first.request_headers.response)
     s.send(request_body=ext_proc.HttpBody(body=json.dumps({"model": "kvlab-tiny", "prompt": _doc(5),
                                                            "max_tokens": 2}).encode(), end_of_stream=True))
@@ -274,10 +274,7 @@ def test_buffered_mode_answers_headers_at_once_and_routes_with_the_body(epp):
 
 def test_unroutable_body_mode_is_a_clear_503(epp):
     envoy, _, _ = epp
-    s = Stream(envoy.stub)
-    cfg = ext_proc.ProtocolConfiguration(request_body_mode=Mode.STREAMED, response_body_mode=Mode.STREAMED)
-    s.send(request_headers=_headers({":method": "POST", ":path": "/v1/completions"}, end=False), protocol_config=cfg)
-    out = s.recv()
+    s, out = _open(envoy, Mode.STREAMED)
     s.close()
     assert out.immediate_response.status.code == 503
     assert b"FULL_DUPLEX_STREAMED" in out.immediate_response.body
