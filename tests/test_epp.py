@@ -226,6 +226,7 @@ def test_trace_continues_from_traceparent(epp):
     (b"[1, 2]", 400),                                                  # not an object
     (b'{"model": "kvlab-tiny", "messages": "hi", "stream": "yes"}', 400),
     (b'{"model": "kvlab-tiny", "messages": 5}', 400),                   # no prompt the tokenizer can read
+    (b"{}", 400),                                                      # no messages at all
     (None, 400),                                                       # headers end the request: no body
 ])
 def test_bad_body_gets_an_immediate_error(epp, body, status):

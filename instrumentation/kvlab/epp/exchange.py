@@ -119,7 +119,7 @@ class Exchange:
         path = self.headers.get(":path", "").split("?", 1)[0]
         try:
             with trace.use_span(span, end_on_exit=False):
-                tokens = await self.picker.tokens(body, path) if body else []
+                tokens = await self.picker.tokens(body, path) if self.body else []
                 span.set_attribute(names.PROMPT_TOKENS, len(tokens))
                 self.pick = self.picker.pick(tokens, self.allowed)
         except RequestError as err:
