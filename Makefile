@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 LAB_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: lab test lint venv venv-dev vllm clean
+.PHONY: lab test lint otel-proto venv venv-dev vllm clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ $(VENV)/.core: $(VENV)/bin/activate pyproject.toml
 
 $(VENV)/.dev: $(VENV)/.core
 	$(PIP) install -q -e '.[dev,lab]'
+	$(MAKE) otel-proto
 	touch $@
+
+## xds-protos (kvlab epp) ships its own copies of opentelemetry/proto/*_pb2.py; installed after
+## opentelemetry-proto they break every OTLP exporter. Put opentelemetry-proto's own files back.
+otel-proto:
+	$(PIP) install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
 venv: $(VENV)/.core
 venv-dev: $(VENV)/.dev

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvlab.load.cli", "run a Locust workload headless against a target"),
     "engine": ("kvlab.engine.cli", "run a model server: `engine sim` or `engine vllm`"),
     "gateway": ("kvlab.gateway.cli", "run the instrumented KV-aware gateway"),
+    "epp": ("kvlab.epp.cli", "kvlab's scheduler as a Gateway API endpoint picker (Envoy ext_proc gRPC)"),
     "tokenize": ("kvlab.gateway.tokenize", "print the token ids the gateway routes on (parity check)"),
     "model": ("kvlab.engine.model", "build a tiny local model for real vLLM on CPU"),
     "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),

@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
                                                           "then its gateway (docs/kind.md)")
     p.add_argument("--context", default="kind-kvlab", help="--cluster: the kube context")
     p.add_argument("--namespace", default="kvlab", help="--cluster: the namespace")
+    p.add_argument("--dry-run", action="store_true", help="--cluster: print the deploy steps and phases; touch nothing")
     return p
 
 
@@ -153,7 +154,7 @@ def finish(console: Console, run_dir: Path, phases: dict[str, dict[str, Any]], d
     console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  {traces}")
 
 
-def run_lab(args: argparse.Namespace, console: Console) -> Path:
+def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
     preset = QUICK if args.quick else FULL
     duration = args.duration or preset["duration"]
     users = args.users or preset["users"]
@@ -216,23 +217,31 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     return run_dir
 
 
-def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float, users: int) -> Path:
+def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float, users: int) -> Path | None:
     """`kvlab lab --cluster`: the cache-blind baseline Service, then the gateway, of a kind cluster
     (deployed with `kvlab cluster deploy`), each after resetting every replica pod's prefix cache."""
     from kvlab.stack.kind.caches import reset_prefix_caches
     from kvlab.stack.kind.forward import cluster_target
+    from kvlab.stack.kind.phases import lab_plan, print_lab_plan
 
-    if args.engine or args.replicas is not None or args.policies != DEFAULT_POLICIES:
-        raise KvlabError("--cluster runs what `kvlab cluster deploy` deployed: --engine, --replicas and "
-                         "--policies do not apply (deploy another --topology instead)")
+    if args.engine or args.replicas is not None:
+        raise KvlabError("--cluster runs what `kvlab cluster deploy` deployed: --engine and --replicas "
+                         "do not apply (deploy another --topology instead)")
     topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
     name = args.workload or topology.workload.name
     params = workload_params(topology, name, json.loads(args.workload_params))
     workload = create(name, seed=args.seed, params=params)
     policy = topology.gateway.policy
-    # (name, policy): the baseline's "policy" is kube-proxy's per-connection spreading
-    plan = [("baseline-service", "kube-proxy"), (f"gateway-{policy}", policy)]
-    targets = dict(zip((name for name, _ in plan), ("baseline", "gateway")))
+    # phases of routers on one cluster; the baseline's "policy" is kube-proxy's per-connection spreading
+    phases_ = lab_plan(None if args.policies == DEFAULT_POLICIES else args.policies.split(","), topology)
+    if args.dry_run:
+        from kvlab.stack.kind.manifests import Cluster
+
+        print_lab_plan(phases_, topology, Cluster(namespace=args.namespace, name=args.context.removeprefix("kind-")),
+                       console.file)
+        return None
+    plan = [(p.name, p.policy) for p in phases_]
+    targets = {p.name: p.target for p in phases_}
     where = {"context": args.context, "namespace": args.namespace}
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("lab")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +265,8 @@ def run_cluster_lab(args: argparse.Namespace, console: Console, duration: float,
                         duration=duration, seed=args.seed, model=topology.model, otlp_endpoint=None,
                         waiting="resetting prefix caches...", min_requests=args.min_requests,
                         limit_s=args.phase_limit)
-    answered = {r["policy"] for r in phases[plan[1][0]]["records"] if r.get("policy")} - {policy}
+    answered = {r["policy"] for p in phases_ if p.target == "gateway"
+                for r in phases[p.name]["records"] if r.get("policy")} - {policy}
     if answered:
         console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "
                       f"{policy}: pass the --topology you deployed[/yellow]")
@@ -279,6 +289,8 @@ def main(argv: list[str]) -> int:
     console = Console()
     try:
         run_dir = run_lab(args, console)
+        if run_dir is None:   # --cluster --dry-run
+            return 0
     except (KvlabError, ValueError) as exc:
         console.print(f"kvlab lab: {exc}", style="red", markup=False)
         return 1

@@ -22,6 +22,7 @@ SPAN_SCALE_ACTION = "stack.scale"
 SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
 SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
 SPAN_TOKENIZER_PROBE = "gateway.tokenizer_probe"  # tokenizer parity with a new replica (gateway/parity.py)
+SPAN_EPP_REQUEST = "epp.request"                # SERVER, one per ext_proc stream at `kvlab epp` (docs/gateway-api.md)
 
 # The GenAI spans (client.request, gateway.request, gateway.upstream / prefill_call / decode_call,
 # engine.request) are named `{gen_ai.operation.name} {gen_ai.request.model}` as the conventions

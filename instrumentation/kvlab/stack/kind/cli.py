@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["create", "delete", "deploy", "render", "preflight", "status", "forward"])
-    p.add_argument("what", nargs="*", help="deploy, render: baseline|gateway|observability; forward: targets")
+    p.add_argument("what", nargs="*", help="deploy, render: baseline|gateway|observability|gateway-api|llm-d|inference-pool; forward: targets")
     p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
     p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
     p.add_argument("--namespace", default="kvlab")
@@ -73,7 +73,7 @@ def build_plan(args: argparse.Namespace) -> list[plan.Step]:
     built = False
     for phase in phases:
         steps += plan.deploy(topology, cluster, phase, build=not args.no_build and not built)
-        built = built or (not args.no_build and phase in ("baseline", "gateway"))
+        built = built or (not args.no_build and phase in ("baseline", "gateway", "gateway-api", "inference-pool"))
     return steps
 
 

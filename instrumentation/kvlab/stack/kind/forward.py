@@ -18,12 +18,15 @@ from typing import Any
 
 from kvlab.errors import StackError
 from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind.envoy import LISTEN_PORT
 from kvlab.stack.kind.runner import api_client
 
 # target name -> (Service name, Service port, UI path)
 SERVICES = {
     "baseline": ("kvlab-baseline", m.API_PORT, "/v1"),
     "gateway": ("kvlab-gateway", m.API_PORT, "/v1"),
+    "gateway-api": ("kvlab-epp", LISTEN_PORT, "/v1"),           # Envoy + kvlab epp (docs/gateway-api.md)
+    "llm-d": ("kvlab-llm-d", LISTEN_PORT, "/v1"),               # Envoy + llm-d's scheduler
     "jaeger": ("kvlab-jaeger", 16686, "/"),
     "prometheus": ("kvlab-prometheus", 9090, "/"),
     "grafana": ("kvlab-grafana", 3000, "/"),
@@ -139,8 +142,9 @@ def cluster_target(target: str = "gateway", context: str | None = "kind-kvlab", 
     via="port-forward": a port-forward kept open for the life of the process;
     via="auto": the NodePort when it answers /health, else a port-forward.
     """
-    if target not in ("gateway", "baseline"):
-        raise StackError(f"cluster target must be 'gateway' or 'baseline', not {target!r}")
+    if target not in ("gateway", "baseline", "gateway-api", "llm-d"):
+        raise StackError(f"cluster target must be 'gateway' or 'baseline' (or a Gateway API phase: 'gateway-api', "
+                         f"'llm-d'), not {target!r}")
     url = node_port_url(target)
     if via == "nodeport" or (via == "auto" and _answers(url + "/health")):
         return url

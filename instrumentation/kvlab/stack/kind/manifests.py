@@ -35,7 +35,8 @@ from kvlab.stack.kind import gpu, versions
 from kvlab.topology import Pool, Topology
 
 Manifest = dict[str, Any]
-PHASES = ("baseline", "gateway", "observability")
+# the last three: Envoy + endpoint pickers and the Inference Extension's CRD objects (stack/kind/phases.py)
+PHASES = ("baseline", "gateway", "observability", "gateway-api", "llm-d", "inference-pool")
 
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"
@@ -48,7 +49,8 @@ REPLICA_SELECTOR = f"{PART_OF}=kvlab,{COMPONENT}=replica"
 API_PORT = 8000
 KV_EVENTS_PORT = 5557
 # NodePorts, mapped to the same ports on 127.0.0.1 of the host by kind/*.yaml (extraPortMappings).
-NODE_PORTS = {"baseline": 30080, "gateway": 30081, "jaeger": 30686, "prometheus": 30090, "grafana": 30300}
+NODE_PORTS = {"baseline": 30080, "gateway": 30081, "jaeger": 30686, "prometheus": 30090, "grafana": 30300,
+              "gateway-api": 30082, "llm-d": 30083}
 
 KVLAB_UID = 10001                   # the user of kind/images/Dockerfile
 # P/D on GPU: vLLM's NixlConnector (docs/pd.md). kv_both on every pool: NixlConnector ignores the

@@ -123,9 +123,11 @@ def image_steps(cluster: m.Cluster) -> list[Step]:
 
 def deploy(topology: Topology, cluster: m.Cluster, phase: str, build: bool = True) -> list[Step]:
     """Apply one phase (baseline | gateway | observability) and wait until it has rolled out."""
-    rendered = m.render(topology, cluster)[phase]
-    steps: list[Step] = []
-    if build and phase in ("baseline", "gateway"):
+    from kvlab.stack.kind.phases import crd_steps, gateway_api_phases
+
+    rendered = {**m.render(topology, cluster), **gateway_api_phases(topology, cluster)}[phase]
+    steps: list[Step] = crd_steps(cluster, phase)
+    if build and phase in ("baseline", "gateway", "gateway-api", "inference-pool"):
         steps += image_steps(cluster)
     if phase == "baseline" and cluster.gpu:
         steps.append(Step(action="note", what=(

@@ -22,3 +22,9 @@ JAEGER_IMAGE = "jaegertracing/jaeger:2.15.0"          # Jaeger v2 (OpenTelemetry
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 GRAFANA_IMAGE = "grafana/grafana:12.1.0"
 NVIDIA_DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.0"
+
+# The Gateway API Inference Extension phases (docs/gateway-api.md)
+GATEWAY_API_VERSION = "v1.3.0"                         # Gateway API CRDs (standard channel)
+INFERENCE_EXTENSION_VERSION = "v1.0.0"                 # InferencePool inference.networking.k8s.io/v1
+ENVOY_IMAGE = "envoyproxy/envoy:distroless-v1.33.2"    # the standalone chart's Envoy line
+LLMD_SCHEDULER_IMAGE = "ghcr.io/llm-d/llm-d-inference-scheduler:v0.3.0"

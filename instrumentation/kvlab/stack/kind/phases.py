@@ -1,0 +1,81 @@
+"""The Gateway API phases in the kind path's plans and in `kvlab lab --cluster`.
+
+`kvlab lab --cluster --policies baseline,gateway-api,llm-d,kv-aware` benches one cluster through
+each router in turn, the same workload and seed, every replica's prefix cache reset before each
+phase: `baseline` the cache-blind Service (kube-proxy), `gateway-api` Envoy + `kvlab epp`, `llm-d`
+Envoy + llm-d's inference scheduler, and any kvlab gateway preset the `kvlab gateway` Deployment
+(which serves the policy it was deployed with). `--dry-run` prints the deploy steps and the URL
+each phase is benched through, touching nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import IO, Any
+
+from kvlab.errors import KvlabError
+from kvlab.stack.kind import gatewayapi, llmd
+from kvlab.stack.kind import manifests as m
+from kvlab.topology import Topology
+
+
+def gateway_api_phases(topology: Topology, cluster: m.Cluster) -> dict[str, list[m.Manifest]]:
+    return {"gateway-api": gatewayapi.standalone(topology, cluster),
+            "llm-d": llmd.llm_d(topology, cluster),
+            "inference-pool": gatewayapi.conformant(topology, cluster)}
+
+
+def crd_steps(cluster: m.Cluster, phase: str) -> list[Any]:
+    """Install the Gateway API and Inference Extension CRDs before a phase that creates their objects."""
+    from kvlab.stack.kind.plan import Step
+
+    if phase not in ("llm-d", "inference-pool"):
+        return []
+    return [Step(action="run", what="install CRDs", argv=["kubectl", "--context", cluster.context, "apply",
+                                                          "--server-side", "-f", url])
+            for url in gatewayapi.CRD_INSTALL]
+
+
+@dataclass(frozen=True, slots=True)
+class LabPhase:
+    name: str          # the phase's name in the report
+    policy: str        # what routes it (a kvlab policy, kube-proxy, llm-d)
+    deploy: str        # the `kvlab cluster deploy` phase it needs
+    target: str        # forward.cluster_target name (its NodePort)
+
+
+def lab_plan(policies: list[str] | None, topology: Topology) -> list[LabPhase]:
+    """The phases of `kvlab lab --cluster`; None: the baseline Service, then the deployed gateway."""
+    policy = topology.gateway.policy
+    out = []
+    for p in policies or ["baseline", policy]:
+        if p == "baseline":
+            out.append(LabPhase("baseline-service", "kube-proxy", "baseline", "baseline"))
+        elif p == "gateway-api":
+            out.append(LabPhase(f"gateway-api-epp-{policy}", policy, "gateway-api", "gateway-api"))
+        elif p == "llm-d":
+            out.append(LabPhase("llm-d-scheduler", "llm-d", "llm-d", "llm-d"))
+        elif p == policy:
+            out.append(LabPhase(f"gateway-{p}", p, "gateway", "gateway"))
+        else:
+            raise KvlabError(f"--cluster --policies: {p!r} is not deployed: the cluster's gateway serves {policy!r} "
+                             f"(its --topology); choose from baseline, gateway-api, llm-d, {policy}")
+    return out
+
+
+def print_lab_plan(phases: list[LabPhase], topology: Topology, cluster: m.Cluster, out: IO[str]) -> None:
+    """The dry-run of `kvlab lab --cluster`: what must be deployed, then what each phase benches."""
+    from kvlab.stack.kind import plan
+    from kvlab.stack.kind.forward import node_port_url
+
+    needed = list(dict.fromkeys(["observability", *(p.deploy for p in phases)]))
+    steps = []
+    built = False
+    for phase in needed:
+        steps += plan.deploy(topology, cluster, phase, build=not built)
+        built = built or any(s.argv[:2] == ["docker", "build"] for s in steps)
+    print(f"deploy ({' '.join(needed)}): kvlab cluster deploy {' '.join(needed)}", file=out)
+    plan.print_plan(steps, out, show_manifests=False)
+    for i, p in enumerate(phases, 1):
+        print(f"phase {i}/{len(phases)} {p.name}: reset every replica's prefix cache, then bench "
+              f"{node_port_url(p.target)}/v1 (routed by {p.policy})", file=out)
