@@ -113,7 +113,7 @@ class Exchange:
         assert self.span is not None
         span = self.span
         stream = bool(body.get("stream"))
-        span.set_attribute(names.STREAM, stream)
+        span.set_attribute(names.GEN_AI_REQUEST_STREAM, stream)
         if isinstance(body.get("model"), str):
             span.set_attribute(names.GEN_AI_REQUEST_MODEL, body["model"])
         path = self.headers.get(":path", "").split("?", 1)[0]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from opentelemetry import trace
+
 from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway.endpoints import Replica
 from kvlab.gateway.prefill import Prefill
@@ -57,14 +59,12 @@ class Picker:
         if operation is None:
             return []
         gw = self.gw
-        with gw.tracer.start_as_current_span(names.SPAN_TOKENIZE) as tspan:
-            t0 = time.perf_counter()
-            tokens, cache_hit = await gw._tokenize(payload, operation)
-            dt = time.perf_counter() - t0
-            tspan.set_attribute(names.TOKENIZE_SOURCE, gw.tokenizer.source)
-            tspan.set_attribute(names.PROMPT_TOKENS, len(tokens))
-            tspan.set_attribute(names.TOKENIZE_CACHED, cache_hit)
-            tspan.set_attribute(names.TOKENIZE_MS, dt * 1000)
+        t0 = time.perf_counter()   # attributes of the request span, as in the gateway (no child span)
+        tokens, cache_hit = await gw._tokenize(payload, operation)
+        dt = time.perf_counter() - t0
+        trace.get_current_span().set_attributes({
+            names.TOKENIZE_SOURCE: gw.tokenizer.source, names.PROMPT_TOKENS: len(tokens),
+            names.TOKENIZE_CACHED: cache_hit, names.TOKENIZE_MS: dt * 1000})
         gw.metrics.tokenize.observe(dt)
         limit = gw.cfg.limits.max_prompt_tokens
         if limit is not None and len(tokens) > limit:
