@@ -118,6 +118,11 @@ STACK_RESTARTS = "kvlab.stack.restarts"                  # restarts of that chil
 SCALE_READY_MS = "kvlab.scale.ready_ms"                  # start -> listening (up) / drain time (down)
 CLIENT_TTFT_MS = "kvlab.client.ttft_ms"
 WORKLOAD = "kvlab.workload"
+# tiered KV (issue 22, docs/tiered.md)
+ENGINE_CPU_HIT_TOKENS = "kvlab.engine.cpu_hit_tokens"    # of the cached tokens, loaded from the CPU tier
+ENGINE_KV_LOAD_MS = "kvlab.engine.kv_load_ms"            # modelled CPU -> GPU load time of those blocks
+PREFIX_TIERS = "kvlab.prefix.tiers"                      # JSON [{replica, gpu_tokens, cpu_tokens}] of the candidates
+PREFIX_CPU_TOKENS = "kvlab.prefix.cpu_tokens"            # of the chosen replica's prefix, held only in its CPU tier
 
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
@@ -149,6 +154,8 @@ VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                 # counter
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"         # counter
 VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
 VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
+VLLM_EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"   # counter: KV-connector lookups (tokens)
+VLLM_EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"         # counter: found in the connector (CPU tier)
 
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}
