@@ -104,10 +104,11 @@ class BlockTable:
         masks = self.masks
         spec = self.speculative if speculative else {}
         cpu = self.offloaded if offloaded else {}
-        for bs, alive in groups.items():
+        for bs, group in groups.items():
             keys = keys_by_size.get(bs)
             if not keys:
                 continue
+            alive = group
             depth = len(keys)
             for i, k in enumerate(keys):
                 m = (masks.get(k, 0) | spec.get(k, 0) | cpu.get(k, 0)) & alive
@@ -229,12 +230,13 @@ class PreciseIndex:
                 if ev.parent_block_hash is None:
                     parent = ROOT
                 else:   # the parent may sit in either tier
-                    parent = gmap.get(ev.parent_block_hash)
-                    if parent is None:
-                        parent = cmap.get(ev.parent_block_hash)
-                    if parent is None:
+                    found = gmap.get(ev.parent_block_hash)
+                    if found is None:
+                        found = cmap.get(ev.parent_block_hash)
+                    if found is None:
                         self.unresolved += len(ev.block_hashes)
                         continue
+                    parent = found
                 keys = block_keys(ev.token_ids, bs, parent)
                 n = min(len(keys), len(ev.block_hashes))
                 for eh, k in zip(ev.block_hashes[:n], keys[:n]):
