@@ -138,6 +138,7 @@ HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached pref
 HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
+HEADER_KV_PULL = "x-kvlab-kv-pull"                    # set by the gateway: HOLDER;TOKENS, pull that prefix from HOLDER (docs/tiered.md)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"

@@ -30,7 +30,7 @@ from kvlab.engine.sim.protocol import (
     tokenize_ids,
 )
 from kvlab.engine.sim.scheduler import FINISHED, Request
-from kvlab.engine.sim.transfer import Pulled
+from kvlab.engine.sim.transfer import Pulled, pull_hint
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
 from kvlab.httpedge import decode, read_body
 from kvlab.httpedge import errors as _errors
@@ -191,6 +191,8 @@ class Api:
         req = Request(req_id, ids, self.sampler.draw(ids, n_max, body.seed), self.engine.scheduler.prompt_keys(ids),
                       stop=stop, min_tokens=body.min_tokens)
         params = body.kv_transfer_params
+        if params is None and names.HEADER_KV_PULL in request.headers:   # cross-replica pull hint
+            params = pull_hint(request.headers[names.HEADER_KV_PULL], self.engine.scheduler.block_size)
         if params is not None:
             self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
