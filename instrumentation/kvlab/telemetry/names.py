@@ -18,6 +18,7 @@ SPAN_ENGINE_PREFILL = "engine.prefill"
 SPAN_ENGINE_DECODE = "engine.decode"
 SPAN_ENGINE_KV_TRANSFER = "engine.kv_transfer"
 SPAN_ENGINE_MOE_DISPATCH = "engine.moe_dispatch"
+SPAN_PULL_DECISION = "gateway.pull_decision"     # holder vs pull vs recompute (docs/tiered.md)
 SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root span
 SPAN_SCALE_ACTION = "stack.scale"
 SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
@@ -123,6 +124,11 @@ ENGINE_CPU_HIT_TOKENS = "kvlab.engine.cpu_hit_tokens"    # of the cached tokens,
 ENGINE_KV_LOAD_MS = "kvlab.engine.kv_load_ms"            # modelled CPU -> GPU load time of those blocks
 PREFIX_TIERS = "kvlab.prefix.tiers"                      # JSON [{replica, gpu_tokens, cpu_tokens}] of the candidates
 PREFIX_CPU_TOKENS = "kvlab.prefix.cpu_tokens"            # of the chosen replica's prefix, held only in its CPU tier
+PULL_CHOICE = "kvlab.pull.choice"                        # holder | pull | recompute (gateway/pull.py)
+PULL_HOLDER = "kvlab.pull.holder"                        # the replica holding the longest prefix
+PULL_TARGET = "kvlab.pull.target"                        # the replica the scheduler chose
+PULL_HOLDER_TOKENS = "kvlab.pull.holder_prefix_tokens"   # the holder's prefix (what a pull brings the target to)
+PULL_COSTS = "kvlab.pull.costs_ms"                       # JSON {holder, pull, recompute}: estimated TTFT, ms
 
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
