@@ -29,9 +29,10 @@
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the simulator models the CPU tier; docs/tiered.md has the GPU manifests
-TOPOLOGY = "tiered"          # labs/topologies/tiered.yaml: 4 replicas, 250 GPU + 600 CPU blocks each
+TOPOLOGY = "tiered"          # labs/topologies/tiered.yaml: 4 replicas, 150 GPU + 500 CPU blocks each
 WORKLOAD = "shared-prefix"
-GROUPS = 24                  # ~118 blocks each: 2,830 blocks > 1,000 on GPU, < 3,400 on GPU + CPU
+GROUPS = 24                  # ~66 blocks each: ~1,580 blocks > 600 on GPU, < 2,000 in the CPU tiers
+SYSTEM_TOKENS = 1000
 USERS = 8
 DURATION_S = 20.0
 SEED = 0
@@ -90,7 +91,7 @@ def ask(url, prompt):
 
 requests.post(f"{replica['url']}/reset_prefix_cache", timeout=10).raise_for_status()
 tag = os.urandom(3).hex()
-A, B, C = (f"[{tag}-{x}] " + " ".join(f"line {i} of document {x}." for i in range(300)) for x in "ABC")
+A, B, C = (f"[{tag}-{x}] " + " ".join(f"line {i} of document {x}." for i in range(150)) for x in "ABC")
 before = counters(replica["url"])
 ask(replica["url"], A)
 ask(replica["url"], B)
@@ -119,7 +120,7 @@ print({k.split(".")[-1]: prefill.attr(k) for k in (n.PROMPT_TOKENS, n.ENGINE_CAC
 # sends it where the CPU copy is.
 
 # %%
-settings = dict(workload=WORKLOAD, params={"groups": GROUPS}, users=USERS, duration_s=DURATION_S, seed=SEED)
+settings = dict(workload=WORKLOAD, params={"groups": GROUPS, "system_tokens": SYSTEM_TOKENS}, users=USERS, duration_s=DURATION_S, seed=SEED)
 tiers = {}
 phases = {}
 for policy in ("kv-aware-gpu-only", "kv-aware"):

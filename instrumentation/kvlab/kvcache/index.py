@@ -278,11 +278,13 @@ class PreciseIndex:
         self.block_size.pop(replica, None)
 
     def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
-              speculative: bool = True) -> dict[str, int]:
-        """Prefix tokens per replica, speculative blocks included unless `speculative` is False."""
+              speculative: bool = True, offloaded: bool = False) -> dict[str, int]:
+        """Prefix tokens per replica, speculative blocks included unless `speculative` is False,
+        CPU-tier blocks too with `offloaded`."""
         if speculative:
             self.expire()
-        return self.table.match(keys_by_size, sizes, speculative and bool(self._spec))
+        return self.table.match(keys_by_size, sizes, speculative and bool(self._spec),
+                                offloaded and bool(self.table.offloaded))
 
     def match_tiers(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
                     speculative: bool = True) -> tuple[dict[str, int], dict[str, int]]:
