@@ -168,6 +168,6 @@ print(f"✓ TTFT p50 {blind['ttft_ms']['p50']:.0f} → {aware['ttft_ms']['p50']:
 # ## Troubleshooting
 # | symptom | what to do |
 # |---|---|
-# | section 1: no CPU hits | the stack is not the `tiered` topology (its replicas have no CPU tier): `kvlab stack status`; re-run the setup cell. |
+# | section 1: no CPU hits | the stack is not the `tiered` topology (its replicas have no CPU tier): `kvlab status`; re-run the setup cell. |
 # | TTFT p50 equal in both phases | the machine was busy during one phase (2 shared cores); re-run, or `kvlab lab --topology tiered --policies kv-aware-gpu-only,kv-aware` (60 s phases). |
 # | tier-aware reuse low | the index sees no CPU blocks: `curl <gateway>/debug/endpoints`, KV events must be live. |
