@@ -91,3 +91,17 @@ def test_pull_hint_pulls_the_prefix_at_the_transfer_cost_and_bad_hints_are_400()
     assert st == 200 and int(h[names.HEADER_KV_TRANSFER_TOKENS]) == 320
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
     assert all(b[0] == 400 and b[2]["error"]["param"] == names.HEADER_KV_PULL for b in bad)
+
+
+def test_the_tiered_topology_gives_the_engine_its_cpu_tier(tmp_path):
+    from pathlib import Path
+
+    from kvlab.stack.local import engine_argv
+    from kvlab.topology import load_topology
+
+    topo = load_topology(Path(__file__).resolve().parents[1] / "labs" / "topologies" / "tiered.yaml")
+    argv = engine_argv(topo, topo.pools[0], "sim", tmp_path / "ready.json", tmp_path)
+    assert argv[argv.index("--cpu-kv-blocks") + 1] == "500"
+    sim_args = argv[argv.index("sim") + 1:]
+    (r, *_), _ = build_replicas(parser().parse_args([*sim_args, "--no-kv-events"]))
+    assert r.engine.scheduler.pool.tier is not None and r.engine.scheduler.pool.tier.num_blocks == 500
