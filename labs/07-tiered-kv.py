@@ -25,7 +25,7 @@
 #    routed by a gateway blind to the CPU tier (`kv-aware-gpu-only`), then by one that weighs it
 #    (`kv-aware`: GPU blocks 1.0, CPU blocks 0.8, llm-d's defaults) — and compare TTFT.
 #
-# Time: about 60 s (two 20 s phases). Reference: docs/tiered.md.
+# Time: about 2 minutes (the stack start, two 20 s phases). Reference: docs/tiered.md.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the simulator models the CPU tier; docs/tiered.md has the GPU manifests
