@@ -24,9 +24,9 @@ from conftest import require, require_binary
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
 NOTEBOOKS = sorted(LABS.glob("0*.ipynb"))
-# 04 and 05 switch the stack to their own topologies; running them last lets 06 reuse the phases of
-# 01-02 (each notebook also runs alone: see test_a_notebook_runs_alone_starting_what_it_needs)
-ORDER = sorted(NOTEBOOKS, key=lambda p: (p.stem[:2] in ("04", "05"), p.stem))
+# 04, 05 and 07 switch the stack to their own topologies; running them last lets 06 reuse the phases
+# of 01-02 (each notebook also runs alone: see test_a_notebook_runs_alone_starting_what_it_needs)
+ORDER = sorted(NOTEBOOKS, key=lambda p: (p.stem[:2] in ("04", "05", "07"), p.stem))
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by test_notebook_runs)
 

@@ -46,6 +46,7 @@ class SimSettings(Strict):
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     seed: int = 0
+    cpu_kv_blocks: int = 0          # CPU offload tier per replica, in blocks (0: none; docs/tiered.md)
 
 
 class VllmSettings(Strict):

@@ -35,6 +35,13 @@ def build() -> dashboard.Dashboard:
             Query(rate(n.VLLM_PROMPT_TOKENS, by="instance"), "{{instance}} prompt"),
             Query(hits, "{{instance}} from cache"),
         ], width=12))
+        .with_panel(graph("Prefix-cache hit rate by tier (GPU, CPU offload)", [
+            Query(f"{hits} / {queries}", "{{instance}} GPU"),
+            Query(f"{rate(n.VLLM_EXTERNAL_PREFIX_CACHE_HITS, by='instance')} / {queries}", "{{instance}} CPU"),
+        ], unit="percentunit", width=24, minimum=0, maximum=1,
+            description="Share of queried prompt tokens found on GPU (prefix_cache_hits) and loaded from the "
+                        "CPU offload tier instead of recomputed (external_prefix_cache_hits, vLLM's KV-connector "
+                        "counter). No CPU series without an offload tier (docs/tiered.md)."))
         .with_row(row("Latency and work"))
         .with_panel(graph("TTFT p50 / p95 per replica", [
             Query(quantile(0.5, n.VLLM_TTFT, "instance"), "{{instance}} p50"),

@@ -16,9 +16,10 @@ import msgspec
 from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
+from kvlab.gateway.pull import PullSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
-           "kv-aware-unified")
+           "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull")
 
 
 class Weights(Strict):
@@ -63,10 +64,19 @@ class Limits(Strict):
     max_retries: int = 2                  # extra replicas tried after a refused connection
 
 
+class TierWeights(Strict):
+    """A prefix block's weight by the tier holding it (docs/tiered.md); defaults: llm-d's precise
+    scorer (DefaultKVCacheBackendConfig: gpu 1.0, cpu 0.8). cpu 0: CPU-tier blocks are ignored."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+
+
 class IndexSettings(Strict):
     kind: Literal["precise", "approximate"] = "precise"   # precise falls back to approximate per replica without a live event stream
     default_block_size: int = 16          # until /metrics or events tell a replica's own
     approx_capacity_blocks: int = 100_000  # per replica, unless its num_gpu_blocks is known
+    tiers: TierWeights = TierWeights()   # GPU vs CPU-offloaded blocks (KV events' `medium`)
     speculative_ttl_s: float = 30.0       # a routed prompt's blocks count as held until BlockStored confirms them, at most this long (0: off; docs/gateway.md)
 
 
@@ -102,6 +112,7 @@ class PolicyConfig(Strict):
     endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
     pd: PDSettings = PDSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
+    pull: PullSettings = PullSettings()   # cross-replica KV pull (gateway/pull.py, docs/tiered.md)
 
 
 def preset_path(name: str) -> Path:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvlab.errors import NoEndpointAvailable
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.pull import PullDecision, decide
 from kvlab.gateway.scheduler.base import Decision, RouteRequest, Scheduler
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
@@ -29,6 +30,8 @@ class Routed:
     index_of: dict[str, str]          # replica -> "precise" | "approximate"
     keys_s: float                     # hashing time
     total_s: float                    # hashing + lookup + scoring
+    cpu: dict[str, int]               # replica -> prefix tokens held only in its CPU tier (docs/tiered.md)
+    pull: PullDecision | None = None  # holder vs pull vs recompute, when a busy holder was passed over
 
 
 class Router:
@@ -57,9 +60,36 @@ class Router:
         keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
         t1 = time.perf_counter()
         prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
-        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative)
+        cpu = self.cpu_only(replicas, keys_by_size, prefix, sizes, index_of)
+        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative, cpu)
+        pull = self.pull(decision, len(tokens))
         self.learn(decision.chosen.replica, keys_by_size, sizes)
-        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0)
+        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull)
+
+    def cpu_only(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], prefix: dict[str, int],
+                 sizes: dict[str, int], index_of: dict[str, str]) -> dict[str, int]:
+        """Of each precise replica's prefix, the tokens held only in its CPU tier (empty unless the
+        policy weighs that tier and some replica reported one)."""
+        if self.cfg.index.tiers.cpu <= 0 or not self.precise.table.offloaded:
+            return {}
+        precise = {r.name: sizes[r.name] for r in replicas if index_of.get(r.name) == "precise"}
+        gpu = self.precise.match(keys_by_size, precise)
+        return {name: max(prefix[name] - min(gpu[name], prefix[name]), 0) for name in precise}
+
+    def pull(self, d: Decision, prompt_tokens: int) -> PullDecision | None:
+        """With `pull.enabled`, when the longest prefix is on another replica than the chosen one:
+        send the request to the holder instead, or keep the choice with a pull hint, or recompute
+        (gateway/pull.py), whichever is estimated fastest."""
+        s = self.cfg.pull
+        holder = max(d.candidates, key=lambda c: c.prefix_tokens)
+        if not s.enabled or d.shadow or holder.name == d.chosen.name:
+            return None
+        p = decide(prompt_tokens, holder.replica, holder.prefix_tokens, d.chosen.replica, d.chosen.prefix_tokens, s)
+        if p is not None and p.choice == "holder":
+            d.ranked.remove(holder)
+            d.ranked.insert(0, holder)
+            d.chosen = holder
+        return p
 
     def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], n_tokens: int,
                   sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
@@ -73,8 +103,10 @@ class Router:
         sizes = sizes or {r.name: self.block_size(r) for r in replicas}
         precise_sizes = {r.name: sizes[r.name] for r in replicas if self.uses_precise(r)}
         approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
-        prefix = self.precise.match(keys_by_size, precise_sizes) if precise_sizes else {}
-        confirmed = self.precise.match(keys_by_size, precise_sizes, speculative=False) if precise_sizes else {}
+        cpu = self.cfg.index.tiers.cpu > 0     # CPU-tier blocks count as held (scored lower: docs/tiered.md)
+        prefix = self.precise.match(keys_by_size, precise_sizes, offloaded=cpu) if precise_sizes else {}
+        confirmed = (self.precise.match(keys_by_size, precise_sizes, speculative=False, offloaded=cpu)
+                     if precise_sizes else {})
         if approx_sizes:
             prefix.update(self.approx.match(keys_by_size, approx_sizes))
         speculative = {}

@@ -37,6 +37,7 @@ from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.parity import MATCH, MISMATCH, ParityProbe, Verdict
 from kvlab.gateway.pd import Disaggregation
 from kvlab.gateway.prefill import Prefill, PrefillBook
+from kvlab.gateway.pull import hint as pull_hint
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import LocalTokens, PromptTokenizer, chat_args
@@ -410,6 +411,17 @@ class Gateway:
                 s.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
                 s.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
                 s.set_attribute(names.PROMPT_TOKENS, len(tokens))
+                if routed.cpu:   # tier-split prefixes (docs/tiered.md)
+                    s.set_attribute(names.PREFIX_TIERS, json.dumps([
+                        {"replica": c.name, "gpu_tokens": c.prefix_tokens - c.cpu_tokens, "cpu_tokens": c.cpu_tokens}
+                        for c in d.candidates]))
+                    s.set_attribute(names.PREFIX_CPU_TOKENS, d.chosen.cpu_tokens)
+            if routed.pull is not None:
+                p = routed.pull
+                with self.tracer.start_as_current_span(names.SPAN_PULL_DECISION) as ps:
+                    ps.set_attributes({names.PULL_CHOICE: p.choice, names.PULL_HOLDER: p.holder,
+                                       names.PULL_TARGET: p.target, names.PULL_HOLDER_TOKENS: p.holder_prefix,
+                                       names.PULL_COSTS: json.dumps({k: round(v, 2) for k, v in p.costs.items()})})
         return routed
 
     async def _forward(self, request: web.Request, span: trace.Span, routed: Routed, body: bytes,
@@ -438,6 +450,8 @@ class Gateway:
                 up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
                 out_headers = {"Content-Type": "application/json"}
                 propagate.inject(out_headers)
+                if routed.pull is not None and routed.pull.choice == "pull" and routed.pull.target == r.name:
+                    out_headers[names.HEADER_KV_PULL] = pull_hint(routed.pull)
                 path = "/v1/chat/completions" if request.path.endswith("chat/completions") else "/v1/completions"
                 r.inflight += 1
                 r.routed += 1

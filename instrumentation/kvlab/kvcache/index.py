@@ -16,6 +16,11 @@ per block: walk the request's keys, AND the masks, note the depth at which each 
 
 Replicas may use different block sizes: keys depend on the block size, so a lookup takes the
 request's keys per block size (`keys_by_size`) and each replica is matched against its own.
+
+Tiers: events with `medium: "CPU"` (vLLM's offloading connector, docs/tiered.md) go to a separate
+*offloaded* layer of the same table, with their own engine-hash map per replica (one block may be on
+GPU and in CPU at once); `match_tiers` tells how much of each prefix is on GPU and how much more is
+reachable through the CPU tier.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class BlockTable:
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.speculative: dict[int, int] = {}   # key -> replicas holding it only provisionally
+        self.offloaded: dict[int, int] = {}     # key -> replicas holding it in their CPU tier
         self._bits: dict[str, int] = {}
         self._free: list[int] = []
 
@@ -48,18 +54,22 @@ class BlockTable:
     def replicas(self) -> list[str]:
         return list(self._bits)
 
-    def add(self, replica: str, keys: Iterable[int], speculative: bool = False) -> None:
+    def _layer(self, speculative: bool, offloaded: bool) -> dict[int, int]:
+        return self.offloaded if offloaded else self.speculative if speculative else self.masks
+
+    def add(self, replica: str, keys: Iterable[int], speculative: bool = False, offloaded: bool = False) -> None:
         b = self.bit(replica)
-        masks = self.speculative if speculative else self.masks
+        masks = self._layer(speculative, offloaded)
         for k in keys:
             masks[k] = masks.get(k, 0) | b
 
-    def discard(self, replica: str, keys: Iterable[int], speculative: bool = False) -> None:
-        """Clear the replica's bit on `keys` in the confirmed layer (or the speculative one)."""
+    def discard(self, replica: str, keys: Iterable[int], speculative: bool = False,
+                offloaded: bool = False) -> None:
+        """Clear the replica's bit on `keys` in the confirmed layer (or the speculative or offloaded one)."""
         b = self._bits.get(replica)
         if b is None:
             return
-        masks = self.speculative if speculative else self.masks
+        masks = self._layer(speculative, offloaded)
         nb = ~b
         for k in keys:
             m = masks.get(k)
@@ -78,9 +88,9 @@ class BlockTable:
             self._free.append(b)
 
     def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
-              speculative: bool = False) -> dict[str, int]:
+              speculative: bool = False, offloaded: bool = False) -> dict[str, int]:
         """Cached prefix length in *tokens* of each replica of `sizes` (replica -> its block size);
-        with `speculative`, a provisional block counts as held."""
+        with `speculative`, a provisional block counts as held; with `offloaded`, a CPU-tier one."""
         out: dict[str, int] = {}
         groups: dict[int, int] = {}
         for r, bs in sizes.items():
@@ -93,13 +103,15 @@ class BlockTable:
         by_bit = {b: r for r, b in self._bits.items()}
         masks = self.masks
         spec = self.speculative if speculative else {}
-        for bs, alive in groups.items():
+        cpu = self.offloaded if offloaded else {}
+        for bs, group in groups.items():
             keys = keys_by_size.get(bs)
             if not keys:
                 continue
+            alive = group
             depth = len(keys)
             for i, k in enumerate(keys):
-                m = (masks.get(k, 0) | spec.get(k, 0)) & alive
+                m = (masks.get(k, 0) | spec.get(k, 0) | cpu.get(k, 0)) & alive
                 if m != alive:
                     dropped = alive & ~m
                     while dropped:
@@ -123,6 +135,7 @@ class PreciseIndex:
     def __init__(self, speculative_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = BlockTable()
         self._engine: dict[str, dict[object, int]] = {}
+        self._offloaded: dict[str, dict[object, int]] = {}   # the same, for blocks in the CPU tier
         self.block_size: dict[str, int] = {}   # as announced by BlockStored events
         self.unresolved = 0   # stored blocks whose parent we never saw (skipped)
         self.speculative_ttl_s = speculative_ttl_s   # 0: no speculative layer
@@ -133,6 +146,9 @@ class PreciseIndex:
 
     def blocks(self, replica: str) -> int:
         return len(self._engine.get(replica, ()))
+
+    def cpu_blocks(self, replica: str) -> int:
+        return len(self._offloaded.get(replica, ()))
 
     def speculative_blocks(self, replica: str) -> int:
         self.expire()
@@ -195,34 +211,46 @@ class PreciseIndex:
 
     def apply(self, replica: str, events: Iterable[Event]) -> int:
         """Apply a batch of events from `replica`; returns the number of blocks touched."""
-        emap = self._engine.get(replica)
-        if emap is None:
-            emap = self._engine[replica] = {}
+        gmap = self._engine.get(replica)
+        if gmap is None:
+            gmap = self._engine[replica] = {}
             self.table.bit(replica)
+        cmap = self._offloaded.setdefault(replica, {})
         table = self.table
         touched = 0
         for ev in events:
             if isinstance(ev, BlockStored):
+                cpu = ev.medium == "CPU"
+                emap = cmap if cpu else gmap
                 bs = ev.block_size
+                if bs <= 0:   # vLLM's placeholder payload (no token ids): nothing to key it by
+                    self.unresolved += len(ev.block_hashes)
+                    continue
                 self.block_size[replica] = bs
                 if ev.parent_block_hash is None:
                     parent = ROOT
-                else:
-                    parent = emap.get(ev.parent_block_hash)
-                    if parent is None:
+                else:   # the parent may sit in either tier
+                    found = gmap.get(ev.parent_block_hash)
+                    if found is None:
+                        found = cmap.get(ev.parent_block_hash)
+                    if found is None:
                         self.unresolved += len(ev.block_hashes)
                         continue
+                    parent = found
                 keys = block_keys(ev.token_ids, bs, parent)
                 n = min(len(keys), len(ev.block_hashes))
                 for eh, k in zip(ev.block_hashes[:n], keys[:n]):
                     emap[eh] = k
-                table.add(replica, keys[:n])
-                self.confirmed += self._drop_speculative(replica, keys[:n])
+                table.add(replica, keys[:n], offloaded=cpu)
+                if not cpu:
+                    self.confirmed += self._drop_speculative(replica, keys[:n])
                 touched += n
             elif isinstance(ev, BlockRemoved):
                 # a removed block was stored first, which already ended its speculation
+                cpu = ev.medium == "CPU"
+                emap = cmap if cpu else gmap
                 table.discard(replica, [k for k in (emap.pop(eh, None) for eh in ev.block_hashes)
-                                        if k is not None])
+                                        if k is not None], offloaded=cpu)
                 touched += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(replica)
@@ -235,21 +263,38 @@ class PreciseIndex:
         if emap:
             self.table.discard(replica, emap.values())
             emap.clear()
+        cmap = self._offloaded.get(replica)
+        if cmap:
+            self.table.discard(replica, cmap.values(), offloaded=True)
+            cmap.clear()
 
     def remove(self, replica: str) -> None:
         """The replica left the endpoint set."""
         self._drop_speculative(replica)
         self._spec.pop(replica, None)
         emap = self._engine.pop(replica, {})
+        self.table.discard(replica, self._offloaded.pop(replica, {}).values(), offloaded=True)
         self.table.forget(replica, emap.values())
         self.block_size.pop(replica, None)
 
     def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
-              speculative: bool = True) -> dict[str, int]:
-        """Prefix tokens per replica, speculative blocks included unless `speculative` is False."""
+              speculative: bool = True, offloaded: bool = False) -> dict[str, int]:
+        """Prefix tokens per replica, speculative blocks included unless `speculative` is False,
+        CPU-tier blocks too with `offloaded`."""
         if speculative:
             self.expire()
-        return self.table.match(keys_by_size, sizes, speculative and bool(self._spec))
+        return self.table.match(keys_by_size, sizes, speculative and bool(self._spec),
+                                offloaded and bool(self.table.offloaded))
+
+    def match_tiers(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
+                    speculative: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        """(prefix tokens on GPU, prefix tokens on GPU or in the CPU tier) per replica: the second
+        is never shorter; the difference is what a replica would load instead of recompute."""
+        gpu = self.match(keys_by_size, sizes, speculative)
+        if not self.table.offloaded:
+            return gpu, dict(gpu)
+        both = self.table.match(keys_by_size, sizes, speculative and bool(self._spec), offloaded=True)
+        return gpu, {r: max(both[r], gpu[r]) for r in gpu}
 
 
 class ApproximateIndex:

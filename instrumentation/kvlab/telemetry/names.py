@@ -17,6 +17,7 @@ SPAN_ENGINE_PREFILL = "engine.prefill"
 SPAN_ENGINE_DECODE = "engine.decode"
 SPAN_ENGINE_KV_TRANSFER = "engine.kv_transfer"
 SPAN_ENGINE_MOE_DISPATCH = "engine.moe_dispatch"
+SPAN_PULL_DECISION = "gateway.pull_decision"     # holder vs pull vs recompute (docs/tiered.md)
 SPAN_CLIENT_REQUEST = "client.request"          # CLIENT, the Locust user's root span
 SPAN_SCALE_ACTION = "stack.scale"
 SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
@@ -136,6 +137,16 @@ STACK_EXIT_CODE = "kvlab.stack.exit_code"                # how the dead child en
 STACK_RESTARTS = "kvlab.stack.restarts"                  # restarts of that child so far
 SCALE_READY_MS = "kvlab.scale.ready_ms"                  # start -> listening (up) / drain time (down)
 WORKLOAD = "kvlab.workload"
+# tiered KV (issue 22, docs/tiered.md)
+ENGINE_CPU_HIT_TOKENS = "kvlab.engine.cpu_hit_tokens"    # of the cached tokens, loaded from the CPU tier
+ENGINE_KV_LOAD_MS = "kvlab.engine.kv_load_ms"            # modelled CPU -> GPU load time of those blocks
+PREFIX_TIERS = "kvlab.prefix.tiers"                      # JSON [{replica, gpu_tokens, cpu_tokens}] of the candidates
+PREFIX_CPU_TOKENS = "kvlab.prefix.cpu_tokens"            # of the chosen replica's prefix, held only in its CPU tier
+PULL_CHOICE = "kvlab.pull.choice"                        # holder | pull | recompute (gateway/pull.py)
+PULL_HOLDER = "kvlab.pull.holder"                        # the replica holding the longest prefix
+PULL_TARGET = "kvlab.pull.target"                        # the replica the scheduler chose
+PULL_HOLDER_TOKENS = "kvlab.pull.holder_prefix_tokens"   # the holder's prefix (what a pull brings the target to)
+PULL_COSTS = "kvlab.pull.costs_ms"                       # JSON {holder, pull, recompute}: estimated TTFT, ms
 
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
@@ -151,6 +162,7 @@ HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached pref
 HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
+HEADER_KV_PULL = "x-kvlab-kv-pull"                    # set by the gateway: HOLDER;TOKENS, pull that prefix from HOLDER (docs/tiered.md)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -167,6 +179,8 @@ VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                 # counter
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"         # counter
 VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
 VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
+VLLM_EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"   # counter: KV-connector lookups (tokens)
+VLLM_EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"         # counter: found in the connector (CPU tier)
 
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}

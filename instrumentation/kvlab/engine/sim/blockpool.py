@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvlab.engine.sim.tier import CpuTier
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 _U64 = (1 << 64) - 1
@@ -40,7 +41,7 @@ class Block:
 class BlockPool:
     """`num_blocks` blocks of `block_size` tokens; `events=False` skips event bookkeeping."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: bool = True, cpu_blocks: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -50,6 +51,8 @@ class BlockPool:
         self._cached: dict[int, Block] = {}
         self._events_on = events
         self._events: list[Event] = []
+        # ---- CPU offload tier (tier.py): None without one --------------------------------
+        self.tier = CpuTier(cpu_blocks, block_size, self.emit if events else None) if cpu_blocks else None
 
     # ---- state -----------------------------------------------------------------------
     @property
@@ -126,6 +129,8 @@ class BlockPool:
                 self._events.append(BlockStored(
                     block_hashes=stored, parent_block_hash=None if parent is None else wire_hash(parent),
                     token_ids=token_ids, block_size=self.block_size, medium="GPU"))
+        if self.tier is not None:  # offloaded on compute (tier.py)
+            self.tier.store(keys, parent, token_ids)
 
     def _store_each(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
                     token_ids: list[int]) -> None:
@@ -153,8 +158,14 @@ class BlockPool:
         for block in self._cached.values():
             block.key = None
         self._cached.clear()
+        if self.tier is not None:
+            self.tier.reset()
         if self._events_on:
             self._events.append(AllBlocksCleared())
+
+    def emit(self, event: Event) -> None:
+        """Queue an event from another part of the cache (the CPU tier), in order."""
+        self._events.append(event)
 
     def take_events(self) -> list[Event]:
         """The events queued since the last call, in order."""

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
                    help="multiply every modelled duration (0.1 = ten times faster than the profile)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the profile's)")
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: the profile's)")
+    p.add_argument("--cpu-kv-blocks", type=int,
+                   help="CPU offload tier per replica, in blocks (0: none; default: the profile's; docs/tiered.md)")
     p.add_argument("--max-num-seqs", type=int, help="running requests per step (default: the profile's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: the profile's)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens limit (default: the profile's)")
@@ -61,7 +63,10 @@ def build_replicas(args: argparse.Namespace):
         block_size=args.block_size or prof.block_size, num_blocks=args.num_blocks or prof.num_blocks,
         max_num_seqs=args.max_num_seqs or prof.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or prof.max_num_batched_tokens,
-        max_model_len=args.max_model_len or prof.max_model_len)
+        max_model_len=args.max_model_len or prof.max_model_len,
+        cpu_kv_blocks=prof.cpu_kv_blocks if args.cpu_kv_blocks is None else args.cpu_kv_blocks)
+    if cfg.cpu_kv_blocks < 0:
+        raise ConfigError("--cpu-kv-blocks must not be negative")
     if min(cfg.block_size, cfg.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) < 1:
         raise ConfigError("sizes must be positive")
     if cfg.max_model_len > cfg.num_blocks * cfg.block_size:

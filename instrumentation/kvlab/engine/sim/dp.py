@@ -114,7 +114,7 @@ class LockstepGroup:
     def _cost(self, batches: list[Batch]) -> float:
         """Unscaled duration of one lockstep step; accumulates every request's MoE/DP stats."""
         profile, scale = self.profile, self.time_scale
-        dense = [profile.step_ms(b.prefill_tokens, b.decode_seqs, b.prefill_ctx_k, len(b.admitted))
+        dense = [profile.step_ms(b.prefill_tokens, b.decode_seqs, b.prefill_ctx_k, len(b.admitted), b.loaded_blocks)
                  if b.requests else 0.0 for b in batches]
         slowest = max(dense)
         self.last_dense, self.last_moe = dense, None

@@ -88,7 +88,7 @@ class Engine:
             start = next_start if next_start is not None and now - next_start <= JITTER_S else now
             batch = self.schedule_step()
             target = start + profile.step_ms(batch.prefill_tokens, batch.decode_seqs, batch.prefill_ctx_k,
-                                           len(batch.admitted)) * scale
+                                           len(batch.admitted), batch.loaded_blocks) * scale
             delay = target - loop.time()
             # always yield once, so HTTP handlers run between steps even when the loop is late
             await asyncio.sleep(delay if delay > 0 else 0)
@@ -123,7 +123,10 @@ class Engine:
         assert m is not None
         for req in admitted:
             m.prefix_queries.inc(req.num_tokens)
-            m.prefix_hits.inc(req.num_cached or 0)
+            m.prefix_hits.inc((req.num_cached or 0) - req.num_loaded)
+            if self.scheduler.pool.tier is not None:   # vLLM counts connector lookups only with a connector
+                m.external_queries.inc(req.num_tokens)
+                m.external_hits.inc(req.num_loaded)
             m.queue.observe((req.t_scheduled - req.t_arrival) / 1e9)
 
     def _deliver(self, sampled: list[Request]) -> None:

@@ -42,6 +42,8 @@ class ReplicaMetrics:
         info.labels(str(block_size), str(num_blocks), "True", engine).set(1)
         self.prefix_queries = child(Counter(names.VLLM_PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.", labels, registry=reg))
         self.prefix_hits = child(Counter(names.VLLM_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", labels, registry=reg))
+        self.external_queries = child(Counter(names.VLLM_EXTERNAL_PREFIX_CACHE_QUERIES, "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", labels, registry=reg))
+        self.external_hits = child(Counter(names.VLLM_EXTERNAL_PREFIX_CACHE_HITS, "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", labels, registry=reg))
         self.preemptions = child(Counter(names.VLLM_NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", labels, registry=reg))
         self.prompt_tokens = child(Counter(names.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", labels, registry=reg))
         self.generation_tokens = child(Counter(names.VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", labels, registry=reg))

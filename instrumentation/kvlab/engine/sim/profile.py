@@ -41,6 +41,8 @@ class LatencyProfile(Strict):
     request_overhead_ms: float = 0.0       # once per request, in the step that first schedules it (API server, IPC)
     kv_transfer_ms_fixed: float = 0.0      # P/D: a decode replica's KV pull (handshake, notification)
     kv_transfer_ms_per_token: float = 0.0  # P/D: per token pulled (KV bytes per token / link bandwidth)
+    kv_load_ms_per_block: float = 0.0     # CPU tier: loading one block back to GPU (KV bytes per block / host link)
+    cpu_kv_blocks: int = 0                # CPU tier size in blocks (0: no CPU tier); tier.py
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 64
@@ -49,11 +51,13 @@ class LatencyProfile(Strict):
     moe: MoeSpec | None = None       # mixture-of-experts layers (moe.py); None: a dense model
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, prefill_ctx_k: float = 0.0,
-                admitted: int = 0) -> float:
+                admitted: int = 0, loaded_blocks: int = 0) -> float:
         """Modelled duration of one engine step, in milliseconds (unscaled). `prefill_ctx_k`: the sum
-        of the prefill tokens' positions, in thousands; `admitted`: requests scheduled for the first time."""
+        of the prefill tokens' positions, in thousands; `admitted`: requests scheduled for the first time;
+        `loaded_blocks`: blocks loaded from the CPU tier before the step runs."""
         ms = (self.step_overhead_ms + prefill_tokens * self.prefill_ms_per_token
-              + prefill_ctx_k * self.prefill_ms_per_token_per_1k_ctx + admitted * self.request_overhead_ms)
+              + prefill_ctx_k * self.prefill_ms_per_token_per_1k_ctx + admitted * self.request_overhead_ms
+              + loaded_blocks * self.kv_load_ms_per_block)
         if decode_seqs:
             ms += self.decode_ms_base + decode_seqs * self.decode_ms_per_seq
         return ms

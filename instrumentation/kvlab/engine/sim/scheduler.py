@@ -33,6 +33,7 @@ class Request:
         "min_tokens",
         "num_cached",
         "num_computed",
+        "num_loaded",
         "num_output",
         "num_prompt",
         "num_tokens",
@@ -61,6 +62,7 @@ class Request:
         self.num_computed = 0
         self.num_output = 0
         self.num_cached: int | None = None   # prefix-cache hit (tokens) at first scheduling
+        self.num_loaded = 0               # of which loaded from the CPU tier (tier.py)
         self.keys = keys                  # chained keys of its full blocks known so far
         self.blocks: list[Block] = []
         self.status = WAITING
@@ -92,6 +94,7 @@ class Batch:
     decode_seqs: int = 0
     admitted: list[Request] = field(default_factory=list)   # first scheduled in this step
     preempted: int = 0
+    loaded_blocks: int = 0          # blocks loaded from the CPU tier for this step (tier.py)
 
 
 def _positions_k(start: int, n: int) -> float:
@@ -112,6 +115,7 @@ class Scheduler:
         self.prefix_queries = 0            # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0               # of which found cached
         self.preemptions = 0
+        self.external_hits = 0             # of the queried tokens, found in the CPU tier (tier.py)
 
     def prompt_keys(self, prompt: list[int]) -> list[int]:
         """The engine's block keys of a prompt (its own hash family, like vLLM's seeded hash)."""
@@ -164,10 +168,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             hits: list[Block] = []
+            loaded = 0
             if req.num_computed == 0 and not req.blocks:
                 cap = (req.num_tokens - 1) // bs
                 hits = pool.cached_prefix(req.keys[:cap])
-            computed = len(hits) * bs
+                if pool.tier is not None:   # the GPU miss continues in CPU memory (tier.py)
+                    loaded = pool.tier.lookup(req.keys[len(hits):cap])
+            computed = (len(hits) + loaded) * bs
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // bs) - len(hits)
             pool.touch(hits)
@@ -178,16 +185,30 @@ class Scheduler:
             self.waiting.popleft()
             req.blocks = hits + new
             req.num_computed = computed
+            if loaded:
+                self._load(batch, req, len(hits), loaded)
             if req.num_cached is None:
                 req.num_cached = computed
+                req.num_loaded = loaded * bs
                 self.prefix_queries += req.num_tokens
-                self.prefix_hits += computed
+                self.prefix_hits += len(hits) * bs
+                self.external_hits += loaded * bs
                 batch.admitted.append(req)
             req.status = RUNNING
             self.running.append(req)
             self._add_to_batch(batch, req, n)
             budget -= n
         return batch
+
+    def _load(self, batch: Batch, req: Request, start: int, n: int) -> None:
+        """Blocks start..start+n of `req` come from the CPU tier: cached on GPU again (BlockStored
+        GPU, as vLLM caches loaded blocks), their load paid in this step."""
+        pool, bs, keys = self.pool, self.block_size, req.keys
+        assert pool.tier is not None
+        pool.tier.load(keys[start:start + n])
+        pool.cache(req.blocks[start:start + n], keys[start:start + n], keys[start - 1] if start else None,
+                   req.prompt[start * bs:(start + n) * bs])
+        batch.loaded_blocks += n
 
     def _add_to_batch(self, batch: Batch, req: Request, n: int) -> None:
         req.scheduled = n

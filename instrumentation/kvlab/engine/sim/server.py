@@ -30,7 +30,7 @@ from kvlab.engine.sim.protocol import (
     tokenize_ids,
 )
 from kvlab.engine.sim.scheduler import FINISHED, Request
-from kvlab.engine.sim.transfer import Pulled
+from kvlab.engine.sim.transfer import Pulled, pull_hint
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
 from kvlab.httpedge import decode, read_body
 from kvlab.httpedge import errors as _errors
@@ -191,6 +191,8 @@ class Api:
         req = Request(req_id, ids, self.sampler.draw(ids, n_max, body.seed), self.engine.scheduler.prompt_keys(ids),
                       stop=stop, min_tokens=body.min_tokens)
         params = body.kv_transfer_params
+        if params is None and names.HEADER_KV_PULL in request.headers:   # cross-replica pull hint
+            params = pull_hint(request.headers[names.HEADER_KV_PULL], self.engine.scheduler.block_size)
         if params is not None:
             self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
@@ -298,6 +300,15 @@ class Api:
         return _encode(piece)[1:-1]
 
     # ---- tracing ---------------------------------------------------------------------
+    def _tier_attrs(self, req: Request) -> dict[str, float]:
+        """CPU-tier hit and its modelled load time (tier.py); nothing without a CPU tier."""
+        if self.engine.scheduler.pool.tier is None:
+            return {}
+        cfg = self.r.cfg
+        blocks = req.num_loaded // self.engine.scheduler.block_size
+        return {names.ENGINE_CPU_HIT_TOKENS: req.num_loaded,
+                names.ENGINE_KV_LOAD_MS: blocks * cfg.profile.kv_load_ms_per_block * cfg.time_scale}
+
     def _end_spans(self, span: trace.Span, req: Request, body: _Generation, chat: bool, status: int,
                    pulled: Pulled | None = None) -> None:
         try:
@@ -339,7 +350,7 @@ class Api:
                             {names.ENGINE_QUEUE_MS: (req.t_scheduled - req.t_arrival) / 1e6})
                 self._child(names.SPAN_ENGINE_PREFILL, parent, req.t_scheduled, req.t_first_token or end, {
                     names.PROMPT_TOKENS: req.num_prompt, names.ENGINE_CACHED_TOKENS: cached,
-                    names.ENGINE_COMPUTED_TOKENS: req.num_prompt - cached})
+                    names.ENGINE_COMPUTED_TOKENS: req.num_prompt - cached, **self._tier_attrs(req)})
             else:
                 self._child(names.SPAN_ENGINE_QUEUE, parent, req.t_arrival, end, {
                     names.ENGINE_QUEUE_MS: (end - req.t_arrival) / 1e6})

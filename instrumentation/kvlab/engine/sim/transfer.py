@@ -51,6 +51,21 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     tp_size: int = 1
 
 
+def pull_hint(value: str, block_size: int) -> KVTransferParams:
+    """The gateway's `x-kvlab-kv-pull: HOLDER;TOKENS` hint (docs/tiered.md) as the params of a pull:
+    the prompt's first TOKENS tokens come from HOLDER at the profile's transfer cost, as a P/D decode
+    side pulls them. The holder is trusted to hold them (the gateway's index says so)."""
+    holder, _, tokens = value.partition(";")
+    try:
+        n = int(tokens)
+    except ValueError:
+        n = -1
+    if not holder or n < 0:
+        raise RequestError("x-kvlab-kv-pull must be HOLDER;TOKENS", param="x-kvlab-kv-pull")
+    return KVTransferParams(do_remote_prefill=True, remote_engine_id=holder,
+                            remote_block_ids=list(range(n // block_size)))
+
+
 def remote_block_count(ids: list[Any] | None) -> int:
     """Blocks offered by the prefill replica (vLLM's hybrid allocator sends one list per group)."""
     if not ids:

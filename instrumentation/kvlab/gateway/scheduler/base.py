@@ -20,6 +20,7 @@ class Candidate:
     replica: Replica
     prefix_tokens: int = 0
     speculative_tokens: int = 0      # the part of prefix_tokens not yet confirmed by the engine
+    cpu_tokens: int = 0              # the part of prefix_tokens held only in the CPU tier (docs/tiered.md)
     scores: dict[str, float] = field(default_factory=dict)
     total: float = 0.0
 
@@ -103,11 +104,12 @@ class Scheduler:
         self.weights = {s.name: w for s, w in self.scorers}
 
     def schedule(self, req: RouteRequest, replicas: list[Replica], prefix: dict[str, int],
-                 speculative: dict[str, int] | None = None) -> Decision:
+                 speculative: dict[str, int] | None = None, cpu: dict[str, int] | None = None) -> Decision:
         """Pick among `replicas` (non-empty, already healthy); `prefix` maps name -> cached tokens,
         `speculative` name -> how many of them are not yet confirmed."""
         spec = speculative or {}
-        cands = [Candidate(r, prefix.get(r.name, 0), spec.get(r.name, 0)) for r in replicas]
+        offloaded = cpu or {}
+        cands = [Candidate(r, prefix.get(r.name, 0), spec.get(r.name, 0), offloaded.get(r.name, 0)) for r in replicas]
         available = max((c.prefix_tokens for c in cands), default=0)
         kept, filtered = apply_thresholds(cands, self.cfg.thresholds)
         for scorer, w in self.scorers:

@@ -1,5 +1,6 @@
 """Prefix scorer: the share of the prompt already cached on the replica (precise or approximate
-index, looked up before scheduling). 1.0 = the whole prompt would be a cache hit."""
+index, looked up before scheduling). 1.0 = the whole prompt would be a cache hit on GPU. Tokens held
+only in a replica's CPU tier count `cpu` (they are loaded, not recomputed: docs/tiered.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer
 class PrefixScorer(Scorer):
     name = "prefix"
 
+    def __init__(self, gpu: float = 1.0, cpu: float = 0.8) -> None:
+        self.gpu = gpu
+        self.cpu = cpu
+
     def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
         n = max(req.prompt_tokens, 1)
-        return [min(c.prefix_tokens / n, 1.0) for c in candidates]
+        return [min((self.gpu * (c.prefix_tokens - c.cpu_tokens) + self.cpu * c.cpu_tokens) / n, 1.0)
+                for c in candidates]

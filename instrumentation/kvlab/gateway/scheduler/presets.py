@@ -18,6 +18,7 @@ from kvlab.gateway.scheduler.queue import QueueScorer
 
 def build(cfg: PolicyConfig, rng: random.Random | None = None) -> Scheduler:
     """Every scorer always runs (so spans show all scores); a zero weight only removes its say."""
-    scorers = [PrefixScorer(), QueueScorer(), KvUsageScorer(), InflightScorer(), InflightTokensScorer(),
-               PendingPrefillScorer(), PredictedTtftScorer()]
+    tiers = cfg.index.tiers
+    scorers = [PrefixScorer(tiers.gpu, tiers.cpu), QueueScorer(), KvUsageScorer(), InflightScorer(),
+               InflightTokensScorer(), PendingPrefillScorer(), PredictedTtftScorer()]
     return Scheduler(cfg, scorers, pickers.make(cfg.picker, rng))
