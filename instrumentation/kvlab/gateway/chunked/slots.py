@@ -97,9 +97,9 @@ class SlotQueue:
     async def acquire(self, rank: int, tenant: str) -> tuple[float, str]:
         """Wait for a slot; returns (seconds waited, hold reason: none | slots-busy | yield-to-higher | reserved)."""
         t = self.enqueue(rank, tenant)
-        held = bool(self.waiting[:-1]) or not self._admissible(rank)
-        reserved = self.busy < self.slots and not self._admissible(rank)
         self.pump()
+        held = not t.granted.done()
+        reserved = held and self.busy < self.slots
         try:
             await t.granted
         except asyncio.CancelledError:
@@ -111,9 +111,9 @@ class SlotQueue:
         waited = self.clock() - t.since
         if not held:
             return waited, "none"
-        if t.passed_by_better:
-            return waited, "yield-to-higher"
-        return waited, "reserved" if reserved else "slots-busy"
+        if reserved:
+            return waited, "reserved"
+        return waited, "yield-to-higher" if t.passed_by_better else "slots-busy"
 
     def release(self) -> None:
         self.busy -= 1
