@@ -167,3 +167,124 @@ def test_resumed_chunk_tokenizes_to_prompt_plus_generated_and_hits_the_cache():
     ua, text, ub = out["completion"]
     assert ub["prompt_tokens"] == ua["prompt_tokens"] + 33
     assert ub["prompt_tokens_details"]["cached_tokens"] == (ub["prompt_tokens"] - 1) // block * block
+
+
+# ---- the gateway stage against simulator replicas ------------------------------------------------
+def run_gateway(tmp_path, fn, policy: str = "kv-aware-chunked", replicas: int = 2):
+    """In-process simulator replicas behind an in-process gateway with `policy`."""
+    async def main(reps):
+        cfg = tmp_path / "policy.yaml"
+        cfg.write_text("health: {scrape_interval_ms: 60000}\n")
+        gw = Gateway(load_policy(policy, cfg), StaticDiscovery([r.endpoint() for r in reps]), PromptTokenizer())
+        runner = web.AppRunner(gw.app(), access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await gw.ready.wait()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                return await fn(session, gw)
+        finally:
+            await runner.cleanup()
+    return run_sim(main, replicas)
+
+
+def parse_sse(raw: bytes) -> list[dict]:
+    """The data events of an SSE body; asserts the framing (blank-line separated, `[DONE]` once, last)."""
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", raw[-200:]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert sum(e == "data: [DONE]" for e in events) == 1
+    return [json.loads(e[6:]) for e in events[:-2]]
+
+
+def test_chunked_stream_is_one_valid_stream_with_the_unchunked_count_and_usage(tmp_path, exporter):
+    tok = Tokenizer()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "min_tokens": 100, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def fn(session, gw):
+        out = {}
+        async with session.post("/v1/chat/completions", json=body, headers={names.HEADER_CHUNK_TOKENS: "0"}) as r:
+            out["plain"] = parse_sse(await r.read())
+        exporter.clear()
+        async with session.post("/v1/chat/completions", json=body, headers={names.HEADER_PRIORITY: "low"}) as r:
+            assert r.status == 200
+            out["replica"] = r.headers[names.HEADER_ROUTED_TO]
+            out["chunked"] = parse_sse(await r.read())
+        out["spans"] = [s for s in exporter.get_finished_spans() if s.name == names.SPAN_CHUNK]
+        unary = {**body, "stream": False}
+        async with session.post("/v1/chat/completions", json=unary) as r:
+            out["unary"] = await r.json()
+        async with session.post("/v1/completions", json={"model": MODEL, "prompt": "the house by the river " * 20,
+                                                          "max_tokens": 70, "min_tokens": 70}) as r:
+            out["completion"] = await r.json()
+        async with session.post("/v1/chat/completions", json=body, headers={names.HEADER_CHUNK_TOKENS: "x"}) as r:
+            out["bad"] = (r.status, await r.json())
+        async with session.get("/metrics") as r:
+            out["metrics"] = await r.text()
+        return out
+
+    out = run_gateway(tmp_path, fn)
+    plain, chunked = out["plain"], out["chunked"]
+    # one id, the role once, a finish_reason only on the last choice event, usage last
+    assert len({e["id"] for e in chunked}) == 1
+    roles = [e for e in chunked if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert len(roles) == 1
+    finishes = [e["choices"][0]["finish_reason"] for e in chunked if e["choices"]]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    usage = chunked[-1]["usage"]
+    assert chunked[-1]["choices"] == []
+    assert usage["completion_tokens"] == plain[-1]["usage"]["completion_tokens"] == 100
+    assert usage["prompt_tokens"] == plain[-1]["usage"]["prompt_tokens"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunked if e["choices"])
+    assert len(tok.encode(text)) == 100
+    # 64-token chunks: 2 chunks, both on the routed replica, the resumed one a cache hit
+    spans = sorted(out["spans"], key=lambda s: s.attributes[names.CHUNK_INDEX])
+    assert [s.attributes[names.CHUNK_SIZE] for s in spans] == [64, 36]
+    assert {s.attributes[names.REPLICA] for s in spans} == {out["replica"]}
+    assert spans[1].attributes[names.CHUNK_RESUME_HIT] is True
+    assert spans[1].attributes[names.CHUNK_CACHED_TOKENS] >= usage["prompt_tokens"] + 64 - 16
+    assert all(s.attributes[names.CHUNK_PRIORITY] == "low" for s in spans)
+    # non-streaming chat and completions: one answer with the whole text and summed usage
+    u = out["unary"]
+    assert u["usage"]["completion_tokens"] == 100 and u["choices"][0]["finish_reason"] == "length"
+    assert len(tok.encode(u["choices"][0]["message"]["content"])) == 100
+    c = out["completion"]
+    assert c["usage"]["completion_tokens"] == 70 and len(tok.encode(c["choices"][0]["text"])) == 70
+    assert out["bad"][0] == 400 and "x-kvlab-chunk-tokens" in out["bad"][1]["error"]["message"]
+    m = out["metrics"]
+    assert 'kvlab_gateway_chunks_total{priority="low"} 2.0' in m
+    assert 'kvlab_gateway_chunk_resumes_total{outcome="hit"}' in m
+    assert "kvlab_gateway_chunk_queue_seconds_bucket" in m
+
+
+def test_a_long_generation_yields_its_slot_between_chunks(tmp_path, exporter):
+    """One slot, nothing reserved: a short request arriving during a long generation runs between two of
+    its chunks instead of after all of them."""
+    async def fn(session, gw):
+        q = gw.chunked.queue(next(iter(gw.registry.replicas.values())))
+        q.slots, q.reserved = 1, 0
+        long = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "min_tokens": 400}
+        short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 4}
+        done: list[str] = []
+
+        async def send(name, body, prio, size):
+            async with session.post("/v1/chat/completions", json=body,
+                                    headers={names.HEADER_PRIORITY: prio, names.HEADER_CHUNK_TOKENS: size}) as r:
+                assert r.status == 200
+                await r.read()
+                done.append(name)
+
+        exporter.clear()
+        first = asyncio.create_task(send("long", long, "low", "8"))
+        while not q.busy:
+            await asyncio.sleep(0.001)
+        await asyncio.gather(first, send("short", short, "high", "8"))
+        spans = [s for s in exporter.get_finished_spans() if s.name == names.SPAN_CHUNK]
+        return done, spans
+
+    done, spans = run_gateway(tmp_path, fn, replicas=1)
+    assert done == ["short", "long"]
+    reasons = {(s.attributes[names.CHUNK_PRIORITY], s.attributes[names.CHUNK_HOLD_REASON]) for s in spans}
+    assert ("low", "none") in reasons and ("low", "slots-busy") in reasons, reasons

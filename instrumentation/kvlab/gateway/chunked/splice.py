@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -24,23 +24,13 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvlab.config import Strict
 from kvlab.errors import RequestError
+from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.chunked.slots import CLASSES, SlotQueue, class_rank
 from kvlab.gateway.endpoints import Replica
 from kvlab.telemetry import names
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-
-class ChunkedSettings(Strict, frozen=True):
-    """The policy's `chunked:` section (docs/chunked-decoding.md)."""
-
-    chunk_tokens: int = 0                 # tokens per chunk; 0: off (a request may still ask by header)
-    slots_per_replica: int = 4            # chunks running at once per replica
-    reserved_slots: int = 1               # of those, kept for the best class (interactive requests)
-    aging_s: float = 2.0                  # a waiting chunk's class improves by one per aging_s
-    default_priority: Literal["high", "normal", "low"] = "normal"
 
 
 class ChunkMetrics:
@@ -115,6 +105,11 @@ class ChunkedDecode:
             n = int(raw)
         if n <= 0 or payload.get("n", 1) not in (1, None) or payload.get("logprobs"):
             return 0
+        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise RequestError("`max_tokens` must be a positive integer", "max_tokens")
+        if type(payload.get("min_tokens") or 0) is not int:
+            raise RequestError("`min_tokens` must be an integer", "min_tokens")
         if operation != "chat" and not isinstance(payload.get("prompt"), str):
             return 0            # token-id and batched prompts: the generated ids are not returned
         return n
@@ -133,11 +128,7 @@ class ChunkedDecode:
                     on_usage: Callable[[dict[str, Any]], None]) -> web.StreamResponse:
         stream = bool(payload.get("stream"))
         limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise RequestError("`max_tokens` must be a positive integer", "max_tokens")
         min_tokens = payload.get("min_tokens") or 0
-        if not isinstance(min_tokens, int):
-            raise RequestError("`min_tokens` must be an integer", "min_tokens")
         rank = class_rank(request.headers.get(names.HEADER_PRIORITY) or self.settings.default_priority)
         tenant = request.headers.get(names.HEADER_TENANT, "default")
         path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
@@ -146,6 +137,7 @@ class ChunkedDecode:
         generated, total, index = "", 0, 0
         first: _Chunk | None = None
         last = _Chunk()
+        ident: dict[str, Any] = {}        # the first chunk's id and created: the one stream's
         while True:
             n = chunk_tokens if limit is None else min(chunk_tokens, limit - total)
             body = resume_body(payload, operation, generated) if index else dict(payload)
@@ -158,7 +150,7 @@ class ChunkedDecode:
             waited, reason = await q.acquire(rank, tenant)
             try:
                 with self.tracer.start_as_current_span(names.SPAN_CHUNK, kind=SpanKind.CLIENT) as cs:
-                    last, out = await self._call(session, timeout, r, path, body, stream, index, out, request,
+                    last, out = await self._call(session, timeout, r, path, body, stream, ident, out, request,
                                                  headers, on_first_token)
                     self._record(cs, r, index, n, waited, reason, rank, tenant, last)
             finally:
@@ -203,7 +195,7 @@ class ChunkedDecode:
             cs.set_status(Status(StatusCode.ERROR, f"chunk failed with {c.status}"))
 
     async def _call(self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout, r: Replica, path: str,
-                    body: dict[str, Any], stream: bool, index: int, out: web.StreamResponse | None,
+                    body: dict[str, Any], stream: bool, ident: dict[str, Any], out: web.StreamResponse | None,
                     request: web.Request, headers: dict[str, str],
                     on_first_token: Callable[[], None]) -> tuple[_Chunk, web.StreamResponse | None]:
         c = _Chunk()
@@ -226,7 +218,7 @@ class ChunkedDecode:
                     c.first = obj
                     _usage(obj, c)
                     return c, out
-                return await self._relay(resp, c, index, out, request, headers, on_first_token)
+                return await self._relay(resp, c, ident, out, request, headers, on_first_token)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             c.status = 502
             c.error = msgspec.json.encode({"error": {"message": f"{r.name}: {type(exc).__name__}: {exc}",
@@ -235,7 +227,8 @@ class ChunkedDecode:
         finally:
             r.inflight -= 1
 
-    async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, index: int, out: web.StreamResponse | None,
+    async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, ident: dict[str, Any],
+                     out: web.StreamResponse | None,
                      request: web.Request, headers: dict[str, str],
                      on_first_token: Callable[[], None]) -> tuple[_Chunk, web.StreamResponse | None]:
         """Relay one chunk's events: later chunks lose the role delta, no chunk but the last keeps a
@@ -255,6 +248,11 @@ class ChunkedDecode:
                 if obj.get("usage"):
                     _usage(obj, c)
                 obj.pop("usage", None)
+                resumed = bool(ident)
+                if resumed:
+                    obj.update(ident)
+                else:
+                    ident.update(id=obj.get("id"), created=obj.get("created"))
                 choices = obj.get("choices") or []
                 if not choices:
                     continue
@@ -268,7 +266,7 @@ class ChunkedDecode:
                         ch["finish_reason"] = None
                         if not piece:
                             continue
-                if index and isinstance(delta, dict):
+                if resumed and isinstance(delta, dict):
                     delta.pop("role", None)
                     if not delta and ch.get("finish_reason") is None:
                         continue
