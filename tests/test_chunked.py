@@ -18,7 +18,6 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
-from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

@@ -16,9 +16,10 @@ import msgspec
 from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
+from kvlab.gateway.chunked.settings import ChunkedSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
-           "kv-aware-unified")
+           "kv-aware-unified", "kv-aware-chunked", "kv-aware-chunked-16", "kv-aware-chunked-256")
 
 
 class Weights(Strict):
@@ -102,6 +103,7 @@ class PolicyConfig(Strict):
     endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
     pd: PDSettings = PDSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
+    chunked: ChunkedSettings = ChunkedSettings()         # chunked decoding, off by default (docs/chunked-decoding.md)
 
 
 def preset_path(name: str) -> Path:
