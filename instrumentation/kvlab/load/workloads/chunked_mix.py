@@ -35,12 +35,17 @@ class ChunkedMix(Workload):
     Params = ChunkedMixParams
 
     @cached_property
+    def _p(self) -> ChunkedMixParams:
+        assert isinstance(self.params, ChunkedMixParams)
+        return self.params
+
+    @cached_property
     def _systems(self) -> list[str]:
-        return [text(self.rng("system", g), self.params.system_tokens) for g in range(self.params.groups)]
+        return [text(self.rng("system", g), self._p.system_tokens) for g in range(self._p.groups)]
 
     def sessions(self) -> Iterator[list[Request]]:
         rng = self.rng("order")
-        p = self.params
+        p = self._p
         n = 0
         while True:
             n += 1
