@@ -16,10 +16,12 @@ import msgspec
 from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
+from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.pull import PullSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
-           "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull")
+           "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull", "kv-aware-chunked", "kv-aware-chunked-16",
+           "kv-aware-chunked-256")
 
 
 class Weights(Strict):
@@ -113,6 +115,7 @@ class PolicyConfig(Strict):
     pd: PDSettings = PDSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
     pull: PullSettings = PullSettings()   # cross-replica KV pull (gateway/pull.py, docs/tiered.md)
+    chunked: ChunkedSettings = ChunkedSettings()         # chunked decoding, off by default (docs/chunked-decoding.md)
 
 
 def preset_path(name: str) -> Path:

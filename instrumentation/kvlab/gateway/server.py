@@ -27,6 +27,7 @@ from kvlab import httpedge
 from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway import dp as dp_view
 from kvlab.gateway.autoscale import Recommender, record_change
+from kvlab.gateway.chunked.splice import ChunkedDecode
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, Endpoint
 from kvlab.gateway.endpoints import Registry, Replica
@@ -118,6 +119,7 @@ class Gateway:
         self.autoscaler = Recommender(cfg.autoscale)
         self.pd = Disaggregation(self)
         self.prefill = PrefillBook()
+        self.chunked = ChunkedDecode(cfg.chunked, self.metrics.registry, self.tracer, self.router.block_size)
         self.parity = (ParityProbe(tokenizer, model, on_verdict=self._on_parity)
                        if isinstance(tokenizer, PromptTokenizer) else None)
 
@@ -355,6 +357,7 @@ class Gateway:
                     raise RequestError(f"prompt of {len(tokens)} tokens exceeds the gateway limit of {limit}", "prompt")
                 span.set_attribute(names.PROMPT_TOKENS, len(tokens))
                 routed = self._schedule(tokens)
+                chunk = self.chunked.chunk_tokens(request.headers, payload, operation)
             except RequestError as err:
                 span.set_status(Status(StatusCode.ERROR, err.message))
                 span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, err.status)
@@ -375,10 +378,41 @@ class Gateway:
                 client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
                 if not client_usage:
                     payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            if chunk:   # chunked decoding replaces P/D and retries for this request (docs/chunked-decoding.md)
+                return await self._chunked(request, span, routed, payload, operation, chunk, client_usage,
+                                           headers, t_start)
             path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
             call = await self.pd.run(path, payload, tokens, routed, span, headers)
             body = msgspec.json.encode(payload)
             return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call)
+
+    async def _chunked(self, request: web.Request, span: trace.Span, routed: Routed, payload: dict[str, Any],
+                       operation: str, chunk: int, client_usage: bool, headers: dict[str, str],
+                       t_start: float) -> web.StreamResponse:
+        """Generation in chunks on the chosen replica (gateway/chunked/)."""
+        assert self.session is not None
+        cand = routed.decision.ranked[0]
+        r = cand.replica
+        r.routed += 1
+        stream = bool(payload.get("stream"))
+        headers[names.HEADER_ROUTED_TO] = r.name
+        headers[names.HEADER_PREFIX_PREDICTED] = str(cand.prefix_tokens)
+        headers[names.HEADER_PREFIX_SPECULATIVE] = str(cand.speculative_tokens)
+        span.set_attribute(names.REPLICA, r.name)
+        span.set_attribute(names.PREFIX_PREDICTED_TOKENS, cand.prefix_tokens)
+
+        def first_token() -> None:
+            self.metrics.ttft.labels(self.policy, r.name).observe(time.perf_counter() - t_start,
+                                                                  exemplar=_exemplar(span))
+
+        def usage(u: dict[str, Any]) -> None:
+            self._delivered(span, msgspec.convert(u, _Usage), headers, set_header=not stream)
+
+        resp = await self.chunked.serve(request, span, self.session,
+                                        self._timeout_stream if stream else self._timeout_unary, r, payload,
+                                        operation, chunk, headers, client_usage, first_token, usage)
+        self.metrics.requests.labels(r.name, self.policy, str(resp.status)).inc()
+        return resp
 
     def _schedule(self, tokens: list[int]) -> Routed:
         with self.tracer.start_as_current_span(names.SPAN_SCHEDULE) as s:

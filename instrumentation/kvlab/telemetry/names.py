@@ -147,6 +147,18 @@ PULL_HOLDER = "kvlab.pull.holder"                        # the replica holding t
 PULL_TARGET = "kvlab.pull.target"                        # the replica the scheduler chose
 PULL_HOLDER_TOKENS = "kvlab.pull.holder_prefix_tokens"   # the holder's prefix (what a pull brings the target to)
 PULL_COSTS = "kvlab.pull.costs_ms"                       # JSON {holder, pull, recompute}: estimated TTFT, ms
+# chunked decoding (issue 23, docs/chunked-decoding.md): one gateway.chunk span per chunk
+SPAN_CHUNK = "gateway.chunk"                             # CLIENT, one upstream call per chunk
+CHUNK_INDEX = "kvlab.chunk.index"                        # 0 for the first chunk
+CHUNK_SIZE = "kvlab.chunk.size_tokens"                   # max_tokens of this chunk
+CHUNK_WAIT_MS = "kvlab.chunk.wait_ms"                    # time queued for a slot before this chunk
+CHUNK_HOLD_REASON = "kvlab.chunk.hold_reason"            # none | slots-busy | yield-to-higher | reserved
+CHUNK_PRIORITY = "kvlab.chunk.priority"                  # the request's class: high | normal | low
+CHUNK_TENANT = "kvlab.chunk.tenant"
+CHUNK_CACHED_TOKENS = "kvlab.chunk.cached_tokens"        # the replica's cached_tokens for this chunk
+CHUNK_RESUME_HIT = "kvlab.chunk.resume_hit"              # resumed chunk: prompt + generated-so-far was cached
+CHUNK_GENERATED_TOKENS = "kvlab.chunk.generated_tokens"  # tokens this chunk generated
+CHUNK_COUNT = "kvlab.chunk.count"                        # gateway.request: chunks the request took
 
 # ---- response headers --------------------------------------------------------------------
 HEADER_REPLICA = "x-kvlab-replica"        # set by a replica: its name
@@ -163,6 +175,9 @@ HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
 HEADER_KV_PULL = "x-kvlab-kv-pull"                    # set by the gateway: HOLDER;TOKENS, pull that prefix from HOLDER (docs/tiered.md)
+HEADER_PRIORITY = "x-kvlab-priority"                # request: high | normal | low (chunked decoding)
+HEADER_TENANT = "x-kvlab-tenant"                    # request: the tenant chunk fairness is shared between
+HEADER_CHUNK_TOKENS = "x-kvlab-chunk-tokens"        # request: chunk size for this request (0: off)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -203,6 +218,10 @@ KVLAB_KV_EVENTS = "kvlab_gateway_kv_events"               # counter {replica} ev
 KVLAB_KV_EVENT_GAPS = "kvlab_gateway_kv_event_gaps"       # counter {replica, kind=gap|restart}
 KVLAB_KV_EVENTS_STATE = "kvlab_gateway_kv_events_state"   # gauge {replica, state=none|connecting|live|stale} 1|0
 KVLAB_TOKENIZE_SECONDS = "kvlab_gateway_tokenize_seconds"  # histogram
+KVLAB_CHUNKS = "kvlab_gateway_chunks"                     # counter {priority}: chunked-decode upstream calls
+KVLAB_CHUNK_HOLDS = "kvlab_gateway_chunk_holds"           # counter {priority, reason}: chunks that waited for a slot
+KVLAB_CHUNK_RESUMES = "kvlab_gateway_chunk_resumes"       # counter {outcome=hit|miss}: resumed chunks' prefix reuse
+KVLAB_CHUNK_QUEUE_SECONDS = "kvlab_gateway_chunk_queue_seconds"  # histogram {priority}: wait for a slot per chunk
 # old name -> current name: still exposed (same values) for one release, then removed (docs/observability.md)
 KVLAB_DEPRECATED_ALIASES = {"kvlab_kv_transfer_seconds": KVLAB_KV_TRANSFER_SECONDS}
 KVLAB_TOKENIZER_PARITY = "kvlab_gateway_tokenizer_parity"  # gauge {replica} 1 match, 0 mismatch (absent: unverified)

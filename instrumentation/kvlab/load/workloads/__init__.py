@@ -22,6 +22,7 @@ _MODULES = {
     "pd-mix": "kvlab.load.workloads.pd_mix",
     "agentic": "kvlab.load.workloads.agentic",
     "long-context": "kvlab.load.workloads.long_context",
+    "chunked-mix": "kvlab.load.workloads.chunked_mix",
 }
 NAMES = tuple(_MODULES)
 

@@ -29,6 +29,7 @@ class Request(msgspec.Struct, kw_only=True, frozen=True):
     max_tokens: int
     group: str
     turn: int = 0
+    headers: dict[str, str] = {}          # extra request headers (a priority class, a tenant)
 
 
 class Params(Strict):

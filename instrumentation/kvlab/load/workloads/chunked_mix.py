@@ -1,0 +1,61 @@
+"""chunked-mix: long low-priority generations among short interactive requests (lab 08).
+
+Each session is one request. A fraction `long_fraction` are batch jobs: a fresh prompt and a long
+output, sent with `x-kvlab-priority: low` and tenant `batch`; the rest are interactive: a short
+question after one of a few shared system prompts and a short answer, `x-kvlab-priority: high`,
+tenant `interactive`. In a closed loop the long jobs soon hold most engine slots, so without a
+scheduler between decode steps a short request waits behind whole generations (the head-of-line
+blocking chunked decoding bounds, docs/chunked-decoding.md). Groups are `long` and `short-<g>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+
+from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.telemetry import names
+
+LONG_HEADERS = {names.HEADER_PRIORITY: "low", names.HEADER_TENANT: "batch"}
+SHORT_HEADERS = {names.HEADER_PRIORITY: "high", names.HEADER_TENANT: "interactive"}
+
+
+class ChunkedMixParams(Params):
+    long_fraction: float = 0.3
+    long_prompt_tokens: int = 256
+    long_output_tokens: int = 384
+    groups: int = 4
+    system_tokens: int = 256
+    question_tokens: int = 32
+    output_tokens: int = 16               # the interactive answers
+
+
+class ChunkedMix(Workload):
+    name = "chunked-mix"
+    Params = ChunkedMixParams
+
+    @cached_property
+    def _p(self) -> ChunkedMixParams:
+        assert isinstance(self.params, ChunkedMixParams)
+        return self.params
+
+    @cached_property
+    def _systems(self) -> list[str]:
+        return [text(self.rng("system", g), self._p.system_tokens) for g in range(self._p.groups)]
+
+    def sessions(self) -> Iterator[list[Request]]:
+        rng = self.rng("order")
+        p = self._p
+        n = 0
+        while True:
+            n += 1
+            if rng.random() < p.long_fraction:
+                prompt = text(self.rng("long", n), p.long_prompt_tokens)
+                yield [Request(messages=[{"role": "user", "content": prompt}], max_tokens=p.long_output_tokens,
+                               group="long", headers=LONG_HEADERS)]
+            else:
+                g = rng.randrange(p.groups)
+                question = text(self.rng("question", n), p.question_tokens) + "?"
+                yield [Request(messages=[{"role": "system", "content": self._systems[g]},
+                                         {"role": "user", "content": question}],
+                               max_tokens=p.output_tokens, group=f"short-{g}", headers=SHORT_HEADERS)]
