@@ -65,7 +65,7 @@ def _start(environment: Any, **_: Any) -> None:
     users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy)
     if opts.requests_out and _out is None:
         Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
-        _out = open(opts.requests_out, "a", buffering=1)
+        _out = open(opts.requests_out, "a", buffering=1)   # noqa: SIM115 (open for the whole test; closed at quit)
 
 
 @events.request.add_listener

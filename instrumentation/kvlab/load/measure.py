@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import requests
 
-from kvlab.load.workloads import Request
+from kvlab.load.workloads import WorkloadRequest
 from kvlab.telemetry import names
 
 _decode = msgspec.json.Decoder().decode
@@ -51,7 +51,7 @@ class Record(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-def chat_body(req: Request, model: str, seed: int) -> dict[str, Any]:
+def chat_body(req: WorkloadRequest, model: str, seed: int) -> dict[str, Any]:
     """The request body: fixed output length (vLLM's min_tokens/ignore_eos) and usage in the stream."""
     return {
         "model": model,

@@ -21,7 +21,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.load.measure import Record, chat_body, stream_chat
-from kvlab.load.workloads import Request, Workload
+from kvlab.load.workloads import Workload, WorkloadRequest
 from kvlab.telemetry import names
 
 tracer = trace.get_tracer("kvlab.load")
@@ -35,10 +35,10 @@ class Feed:
         self.model = model
         self.phase = phase
         self.policy = policy
-        self._sessions: Iterator[list[Request]] = workload.sessions()
+        self._sessions: Iterator[list[WorkloadRequest]] = workload.sessions()
         self.counter = itertools.count()
 
-    def next_session(self) -> list[Request]:
+    def next_session(self) -> list[WorkloadRequest]:
         return next(self._sessions)
 
 
@@ -71,7 +71,7 @@ class ChatUser(User):
                 time.sleep(0.5)
                 return
 
-    def send(self, feed: Feed, req: Request) -> Record:
+    def send(self, feed: Feed, req: WorkloadRequest) -> Record:
         n = next(feed.counter)
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
                         group=req.group, turn=req.turn)

@@ -9,9 +9,9 @@ import importlib
 from typing import Any
 
 from kvlab.errors import ConfigError
-from kvlab.load.workloads.base import Request, Workload
+from kvlab.load.workloads.base import Workload, WorkloadRequest
 
-__all__ = ["NAMES", "Request", "Workload", "create", "workload_class"]
+__all__ = ["NAMES", "Workload", "WorkloadRequest", "create", "workload_class"]
 
 # workload name -> module that defines it (class attribute `name` must match)
 _MODULES = {

@@ -22,7 +22,7 @@ from kvlab.config import Strict, convert
 from kvlab.tokenizer import Tokenizer, words
 
 
-class Request(msgspec.Struct, kw_only=True, frozen=True):
+class WorkloadRequest(msgspec.Struct, kw_only=True, frozen=True):
     """One chat completion to send; `group` names the reuse unit (prefix group, session, document)."""
 
     messages: list[dict[str, str]]
@@ -70,17 +70,18 @@ class Workload(abc.ABC):
 
     def __init__(self, seed: int = 0, params: dict[str, Any] | Params | None = None) -> None:
         self.seed = seed
-        self.params = params if isinstance(params, Params) else convert(params or {}, self.Params, f"workload {self.name}")
+        self.params = params if isinstance(params, Params) \
+            else convert(params or {}, self.Params, f"workload {self.name}")
 
     def rng(self, *key: object) -> random.Random:
         """A random generator determined by the seed, the workload and `key` (string seeding is stable)."""
         return random.Random(":".join(map(str, (self.seed, self.name, *key))))
 
     @abc.abstractmethod
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         """The endless, deterministic stream of sessions."""
 
-    def requests(self, n: int) -> list[Request]:
+    def requests(self, n: int) -> list[WorkloadRequest]:
         """The first `n` requests in stream order (sessions flattened); for tests and previews."""
         flat = (r for s in self.sessions() for r in s)
         return list(itertools.islice(flat, n))

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
 class LongContextParams(Params):
@@ -33,7 +33,7 @@ class LongContext(Workload):
     def _contexts(self) -> list[str]:
         return [text(self.rng("context", c), self.params.context_tokens) for c in range(self.params.contexts)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         p = self.params
         rng = self.rng("order")
         weights = [1 / (c + 1) for c in range(p.contexts)]
@@ -44,5 +44,5 @@ class LongContext(Workload):
             else:
                 c = rng.choices(range(p.contexts), weights)[0]
                 context, group = self._contexts[c], f"c{c}"
-            yield [Request(messages=[{"role": "user", "content": f"{context}\n\nQuestion: {question}"}],
+            yield [WorkloadRequest(messages=[{"role": "user", "content": f"{context}\n\nQuestion: {question}"}],
                            max_tokens=p.output_tokens, group=group)]
