@@ -25,6 +25,7 @@ SERVICES = {
     "baseline": ("kvlab-baseline", m.API_PORT, "/v1"),
     "gateway": ("kvlab-gateway", m.API_PORT, "/v1"),
     "jaeger": ("kvlab-jaeger", 16686, "/"),
+    "otlp": ("kvlab-jaeger", 4318, "/"),          # OTLP/HTTP into the in-cluster Jaeger (client spans)
     "prometheus": ("kvlab-prometheus", 9090, "/"),
     "grafana": ("kvlab-grafana", 3000, "/"),
 }
