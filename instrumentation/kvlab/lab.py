@@ -124,8 +124,8 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
-        return run_autoscale(args, topology, console, policies[0] if args.policies != DEFAULT_POLICIES
-                             else topology.gateway.policy)
+        return run_autoscale(args, topology, bench_spec(args, topology, FULL), console,
+                             policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy)
     return run_local_lab(args, topology, bench_spec(args, topology, QUICK if args.quick else FULL),
                          [Phase(p, p) for p in policies], console)
 

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.load.ramp import Ramp, up_hold_down
+from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
@@ -134,14 +135,13 @@ def _actions_table(actions: list[dict[str, Any]], t0: float) -> Table:
     return table
 
 
-def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console, policy: str) -> Path:
-    """The scenario (see the module docstring); returns the run dir."""
-    from kvlab.lab import bench_spec
-
+def run_autoscale(args: argparse.Namespace, topology: Topology, spec: BenchSpec, console: Console,
+                  policy: str) -> Path:
+    """The scenario (see the module docstring) with `spec`'s workload; returns the run dir."""
     preset = QUICK if args.quick else FULL
-    ramp = up_hold_down(args.duration or preset["duration"], args.users or preset["users"])
-    spec = msgspec.structs.replace(bench_spec(args, topology, preset), ramp=ramp, users=ramp.peak,
-                                   duration_s=ramp.duration_s, min_requests=0, limit_s=None)
+    ramp = up_hold_down(args.duration or preset["duration"], args.users or int(preset["users"]))
+    spec = msgspec.structs.replace(spec, ramp=ramp, users=ramp.peak, duration_s=ramp.duration_s,
+                                   min_requests=0, limit_s=None)
     settings = topology.gateway.autoscale
     assert settings is not None
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("autoscale")
@@ -166,7 +166,7 @@ def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console
 
         try:
             with RichDisplay(console, live=live) as display:   # one phase, on the gateway the scaler follows
-                (result,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display)
+                (ran,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display)
             with console.status("load over: waiting for the scale-down..."):
                 deadline = time.monotonic() + settings.scale_down_window_s + SETTLE_S
                 while time.monotonic() < deadline and scaler.current() > floor:
@@ -176,8 +176,8 @@ def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console
             timeline.stop()
             actions = list(scaler.actions)
             stack.stop_scaler()
-    out, summary = result.dir, result.summary
-    records = result.records
+    out, summary = ran.dir, ran.summary
+    records = ran.records
     data = {"ramp": msgspec.to_builtins(ramp), "settings": msgspec.to_builtins(settings), "floor": floor,
             "samples": timeline.samples, "actions": actions, "users": users_over_time(out)}
     write_json(out / "autoscale.json", data)
