@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import requests
@@ -30,7 +31,7 @@ tracer = trace.get_tracer("kvlab.load")
 class Feed:
     """The workload's session stream shared by every user of this process (gevent: no locking)."""
 
-    def __init__(self, workload: Workload, model: str, phase: str = "", policy: str = "") -> None:
+    def __init__(self, workload: Workload[Any], model: str, phase: str = "", policy: str = "") -> None:
         self.workload = workload
         self.model = model
         self.phase = phase

@@ -26,7 +26,7 @@ _MODULES = {
 NAMES = tuple(_MODULES)
 
 
-def workload_class(name: str) -> type[Workload]:
+def workload_class(name: str) -> type[Workload[Any]]:
     """The Workload subclass registered under `name`."""
     if name not in _MODULES:
         raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(NAMES)}")
@@ -35,6 +35,6 @@ def workload_class(name: str) -> type[Workload]:
                 if isinstance(obj, type) and issubclass(obj, Workload) and getattr(obj, "name", None) == name)
 
 
-def create(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Workload:
+def create(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Workload[Any]:
     """A workload by name, its parameters validated (unknown keys are errors)."""
     return workload_class(name)(seed=seed, params=params)

@@ -18,7 +18,7 @@ from functools import cached_property
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class AgenticParams(Params):
+class AgenticParams(Params, frozen=True):
     agents: int = 4
     system_tokens: int = 600
     tool_tokens: int = 500
@@ -30,7 +30,7 @@ class AgenticParams(Params):
     output_tokens: int = 32
 
 
-class Agentic(Workload):
+class Agentic(Workload[AgenticParams]):
     name = "agentic"
     Params = AgenticParams
 

@@ -14,7 +14,7 @@ import itertools
 import random
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import msgspec
 
@@ -31,7 +31,7 @@ class WorkloadRequest(msgspec.Struct, kw_only=True, frozen=True):
     turn: int = 0
 
 
-class Params(Strict):
+class Params(Strict, frozen=True):
     """Base of each workload's parameters."""
 
     output_tokens: int = 32
@@ -62,16 +62,21 @@ def text(rng: random.Random, n_tokens: int) -> str:
     return " ".join(chosen)
 
 
-class Workload(abc.ABC):
-    """Base class: subclasses set `name`, `Params` and implement `sessions`."""
+WorkloadParams = Params   # the name inside Workload's body, where `Params` is the class attribute
+P = TypeVar("P", bound=Params)
+
+
+class Workload(abc.ABC, Generic[P]):
+    """Base class: subclasses set `name`, `Params` (the class `P`) and implement `sessions`."""
 
     name: ClassVar[str]
-    Params: ClassVar[type[Params]] = Params
+    Params: ClassVar[type[WorkloadParams]] = WorkloadParams
 
-    def __init__(self, seed: int = 0, params: dict[str, Any] | Params | None = None) -> None:
+    def __init__(self, seed: int = 0, params: dict[str, Any] | WorkloadParams | None = None) -> None:
         self.seed = seed
-        self.params = params if isinstance(params, Params) \
+        given = params if isinstance(params, WorkloadParams) \
             else convert(params or {}, self.Params, f"workload {self.name}")
+        self.params: P = cast(P, given)
 
     def rng(self, *key: object) -> random.Random:
         """A random generator determined by the seed, the workload and `key` (string seeding is stable)."""

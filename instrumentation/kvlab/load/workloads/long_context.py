@@ -17,7 +17,7 @@ from functools import cached_property
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class LongContextParams(Params):
+class LongContextParams(Params, frozen=True):
     contexts: int = 6
     context_tokens: int = 3600     # cpu-tiny's max_model_len is 4096
     question_tokens: int = 48
@@ -25,7 +25,7 @@ class LongContextParams(Params):
     output_tokens: int = 32
 
 
-class LongContext(Workload):
+class LongContext(Workload[LongContextParams]):
     name = "long-context"
     Params = LongContextParams
 

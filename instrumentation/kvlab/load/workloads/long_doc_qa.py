@@ -12,7 +12,7 @@ from functools import cached_property
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class LongDocQaParams(Params):
+class LongDocQaParams(Params, frozen=True):
     documents: int = 8
     document_tokens: int = 3000
     questions_per_document: int = 20
@@ -20,7 +20,7 @@ class LongDocQaParams(Params):
     output_tokens: int = 32
 
 
-class LongDocQa(Workload):
+class LongDocQa(Workload[LongDocQaParams]):
     name = "long-doc-qa"
     Params = LongDocQaParams
 

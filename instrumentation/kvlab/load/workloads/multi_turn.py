@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class MultiTurnParams(Params):
+class MultiTurnParams(Params, frozen=True):
     turns: int = 6
     system_tokens: int = 200
     user_tokens: int = 120
@@ -22,7 +22,7 @@ class MultiTurnParams(Params):
     output_tokens: int = 32
 
 
-class MultiTurn(Workload):
+class MultiTurn(Workload[MultiTurnParams]):
     name = "multi-turn"
     Params = MultiTurnParams
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class PdMixParams(Params):
+class PdMixParams(Params, frozen=True):
     long_fraction: float = 0.3
     long_tokens: int = 1500
     groups: int = 4
@@ -24,7 +24,7 @@ class PdMixParams(Params):
     output_tokens: int = 64
 
 
-class PdMix(Workload):
+class PdMix(Workload[PdMixParams]):
     name = "pd-mix"
     Params = PdMixParams
 

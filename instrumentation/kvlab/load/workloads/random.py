@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class RandomParams(Params):
+class RandomParams(Params, frozen=True):
     prompt_tokens: int = 1000
     output_tokens: int = 32
 
 
-class Random(Workload):
+class Random(Workload[RandomParams]):
     name = "random"
     Params = RandomParams
 

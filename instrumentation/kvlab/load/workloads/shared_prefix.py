@@ -14,7 +14,7 @@ from functools import cached_property
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class SharedPrefixParams(Params):
+class SharedPrefixParams(Params, frozen=True):
     groups: int = 32
     prompts_per_group: int = 16
     system_tokens: int = 1800
@@ -22,7 +22,7 @@ class SharedPrefixParams(Params):
     output_tokens: int = 32
 
 
-class SharedPrefix(Workload):
+class SharedPrefix(Workload[SharedPrefixParams]):
     name = "shared-prefix"
     Params = SharedPrefixParams
 
