@@ -96,7 +96,7 @@ def stream_chat(session: requests.Session, url: str, body: dict[str, Any], heade
                 record.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return record
             # chunk_size=None: yield bytes as they arrive (a fixed size would wait to fill it)
-            for line in resp.iter_lines(chunk_size=None):
+            for line in resp.iter_lines(chunk_size=None):  # type: ignore[call-overload]  # stubs lack None
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()

@@ -17,7 +17,7 @@ from kvlab.config import Strict, convert
 from kvlab.errors import ConfigError
 
 
-class Ramp(Strict):
+class Ramp(Strict, frozen=True):
     """`points`: [[seconds, users], ...], strictly increasing in time, starting at 0; the users
     between two points are interpolated linearly (rounded); the load ends at the last point."""
 

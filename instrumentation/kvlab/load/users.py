@@ -76,7 +76,7 @@ class ChatUser(User):
         n = next(feed.counter)
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
                         group=req.group, turn=req.turn)
-        attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
+        attrs: dict[str, str | int] = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name}
         with tracer.start_as_current_span(names.SPAN_CLIENT_REQUEST, kind=SpanKind.CLIENT, attributes=attrs) as span:
             headers: dict[str, str] = {}
@@ -84,7 +84,7 @@ class ChatUser(User):
             ctx = span.get_span_context()
             if ctx.is_valid:
                 record.trace_id = format(ctx.trace_id, "032x")
-            stream_chat(self.http, f"{self.host.rstrip('/')}/v1/chat/completions",
+            stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
                         chat_body(req, feed.model, feed.workload.seed + n), headers, record)
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import msgspec
@@ -120,7 +120,7 @@ class LocalStack:
             except StackError as exc:
                 raise StackError(f"trace backend: {exc}") from None
             if proc is not None:
-                self.children.append(Child("traces", list(proc.args), log, proc))
+                self.children.append(Child("traces", list(cast("list[str]", proc.args)), log, proc))
 
     def start_engines(self) -> None:
         """One `kvlab engine` process per pool; waits for every ready JSON."""
@@ -206,7 +206,7 @@ class LocalStack:
             raise StackError(f"prometheus: {exc}") from None
         if proc is not None:
             log = self.run_dir / "prometheus" / "prometheus.log"
-            self.children.append(Child("prometheus", list(proc.args), log, proc))
+            self.children.append(Child("prometheus", list(cast("list[str]", proc.args)), log, proc))
             self.prometheus = f"http://{HOST}:{port}"
         self.write_state()
 
