@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from shutil import which
 from typing import Any
@@ -27,6 +26,7 @@ from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
 from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.launch import HOST, KVLAB, child_env, free_port, gateway_args
+from kvlab.stack.local import reset_replicas
 from kvlab.stack.process import Child, stop_recorded
 from kvlab.stack.state import new_run_dir, set_latest, write_json
 from kvlab.topology import Topology
@@ -149,11 +149,7 @@ class AttachedStack:
         if self._cluster is not None:
             result: dict[str, str | None] = self._cluster.reset_caches()
             return result
-        for r in self.info.replicas:
-            req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                resp.read()
-        return {r["name"]: None for r in self.info.replicas}
+        return reset_replicas(self.info.replicas)
 
     def gateway_for(self, policy: str, fresh: bool = True) -> str:
         """The stack's own gateway when its policy matches; on kind the baseline Service for

@@ -33,6 +33,18 @@ def _hostport(url: str) -> str:
     return f"{u.hostname}:{u.port}"
 
 
+def reset_replicas(replicas: list[dict[str, Any]]) -> dict[str, str | None]:
+    """POST /reset_prefix_cache on each replica reachable from here; a failure is a StackError."""
+    for r in replicas:
+        req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                resp.read()
+        except OSError as exc:
+            raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
+    return {r["name"]: None for r in replicas}
+
+
 class LocalStack:
     """Start, swap and stop the processes of one topology under `run_dir`."""
 
@@ -284,14 +296,7 @@ class LocalStack:
 
     def reset_caches(self) -> dict[str, str | None]:
         """POST /reset_prefix_cache on every replica (each then publishes AllBlocksCleared)."""
-        for r in self.replicas:
-            req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=10) as resp:
-                    resp.read()
-            except OSError as exc:
-                raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
-        return {r["name"]: None for r in self.replicas}
+        return reset_replicas(self.replicas)
 
     def describe(self, status: str = "running") -> StackInfo:
         """The stack.json document (contract 3, plus `status`, `policy` and `model`)."""
