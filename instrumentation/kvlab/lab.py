@@ -124,8 +124,10 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path:
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
-        return run_autoscale(args, topology, bench_spec(args, topology, FULL), console,
-                             policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy)
+        return run_autoscale(topology, bench_spec(args, topology, FULL), console,
+                             policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
+                             quick=args.quick, duration_s=args.duration, users=args.users,
+                             run_dir=Path(args.run_dir) if args.run_dir else None)
     return run_local_lab(args, topology, bench_spec(args, topology, QUICK if args.quick else FULL),
                          [Phase(p, p) for p in policies], console)
 

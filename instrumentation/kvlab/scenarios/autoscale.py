@@ -12,7 +12,6 @@ Writes phase-1-<policy>/{requests.jsonl, summary.json, autoscale.json}, summary.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import threading
@@ -135,16 +134,17 @@ def _actions_table(actions: list[dict[str, Any]], t0: float) -> Table:
     return table
 
 
-def run_autoscale(args: argparse.Namespace, topology: Topology, spec: BenchSpec, console: Console,
-                  policy: str) -> Path:
-    """The scenario (see the module docstring) with `spec`'s workload; returns the run dir."""
-    preset = QUICK if args.quick else FULL
-    ramp = up_hold_down(args.duration or preset["duration"], args.users or int(preset["users"]))
+def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy: str, *, quick: bool = False,
+                  duration_s: float | None = None, users: int | None = None, run_dir: Path | None = None) -> Path:
+    """The scenario (see the module docstring) with `spec`'s workload, the ramp sized by `duration_s`
+    and peak `users` (defaults: FULL, or QUICK); returns the run dir."""
+    preset = QUICK if quick else FULL
+    ramp = up_hold_down(duration_s or preset["duration"], users or int(preset["users"]))
     spec = msgspec.structs.replace(spec, ramp=ramp, users=ramp.peak, duration_s=ramp.duration_s,
                                    min_requests=0, limit_s=None)
     settings = topology.gateway.autoscale
     assert settings is not None
-    run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("autoscale")
+    run_dir = run_dir.absolute() if run_dir else new_run_dir("autoscale")
     console.rule(f"[bold]kvlab lab · autoscaling[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replica(s) to start, up to {settings.max_replicas} · "
                   f"policy {policy} · workload {spec.workload} (seed {spec.seed}) · users 1 → {ramp.peak} → 1 "
@@ -186,7 +186,7 @@ def run_autoscale(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
         "id": run_dir.name, "run_dir": str(run_dir), "scenario": "autoscale", "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
         "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
-        "duration_s": ramp.duration_s, "quick": args.quick,
+        "duration_s": ramp.duration_s, "quick": quick,
         "policies": [policy], "phases": {policy: summary}, "autoscale": result,
         "wall_s": round(time.monotonic() - started, 1),
     }
