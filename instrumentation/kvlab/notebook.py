@@ -145,7 +145,7 @@ class _Progress:
         from IPython.display import HTML, display
 
         self.label, self.total_s, self.stack, self._html = label, total_s, stack, HTML
-        self.handle = display(HTML(self._render(0.0, [])), display_id=True)
+        self.handle = display(HTML(self._render(0.0, [])), display_id=True)  # type: ignore[no-untyped-call]  # IPython.display is untyped
         self.samples: list[dict[str, Any]] = []
         self._next = 0.0
 
@@ -163,7 +163,7 @@ class _Progress:
             for name, m in replica_metrics(self.stack).items():
                 self.samples.append({"t": round(elapsed, 2), "replica": name, **m})
             if self.handle is not None:
-                self.handle.update(self._html(self._render(elapsed, records)))
+                self.handle.update(self._html(self._render(elapsed, records)))  # type: ignore[no-untyped-call]  # IPython.display is untyped
 
 
 class _Display:
@@ -232,7 +232,8 @@ def phase(stack: dict[str, Any], policy: str, **kw: Any) -> dict[str, Any]:
         earlier = load_phase(found)
         s = earlier["summary"]
         wanted = {"workload": kw.get("workload", "shared-prefix"), "seed": kw.get("seed", 0),
-                  "users": kw.get("users", QUICK_USERS), "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
+                  "users": kw.get("users", QUICK_USERS),
+                  "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
         if all(s.get(k) == v for k, v in wanted.items()):
             print(f"using {found.relative_to(stack['run_dir'])} from an earlier notebook (same workload, seed, users)")
             return earlier
@@ -246,7 +247,8 @@ def run_env() -> dict[str, Any]:
     import kvlab
 
     return {"python": sys.executable, "kvlab": getattr(kvlab, "__version__", "?"),
-            "runs": str(runs_root()), **{b: which(b) for b in ("prometheus", "jaeger", "chromium", "kind", "kubectl", "docker")}}
+            "runs": str(runs_root()),
+            **{b: which(b) for b in ("prometheus", "jaeger", "chromium", "kind", "kubectl", "docker")}}
 
 
 # ---- traces ----------------------------------------------------------------------------------------
@@ -290,9 +292,12 @@ def dashboard_panel(prometheus: str, dashboard: Path, title: str, start: float, 
     if not queries:
         raise StackError(f"no panel {title!r} in {dashboard}")
     for ref, expr in queries:
-        promql = grafana_expr(expr, rate_interval_s=max(4, 4 * step_s), step_s=step_s, range_s=max(1, int(end - start)))
+        promql = grafana_expr(expr, rate_interval_s=max(4, 4 * step_s), step_s=step_s,
+                              range_s=max(1, int(end - start)))
         for series in query_range(prometheus, promql, start, end, step_s):
-            label = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: series["metric"].get(m.group(1), ""), legends[(title, ref)])
+            labels = series["metric"]
+            label = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m, labels=labels: labels.get(m.group(1), ""),
+                           legends[(title, ref)])
             points = [(float(t) - start, float(v)) for t, v in series["values"]]
             fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines",
                                      name=label or ref))
@@ -328,23 +333,24 @@ def run_lab(args: list[str], label: str) -> Path:
                                 start_new_session=True, env=dict(os.environ, COLUMNS="110"))
     child = Child("kvlab-lab", argv, log, proc)
     attached.save_recorded(run, [child.describe()])
-    handle = display(HTML(f"<b>kvlab lab {' '.join(args)}</b>: starting..."), display_id=True)
+    handle = display(HTML(f"<b>kvlab lab {' '.join(args)}</b>: starting..."), display_id=True)  # type: ignore[no-untyped-call]  # IPython.display is untyped
     started = time.monotonic()
     try:
         while proc.poll() is None:
             time.sleep(1.0)
-            count = sum(sum(1 for _ in open(p, "rb")) for p in run.glob("phase-*/requests.jsonl"))
+            count = sum(p.read_bytes().count(b"\n") for p in run.glob("phase-*/requests.jsonl"))
             line = f"{time.monotonic() - started:.0f} s · {count} requests"
             stack = read_stack(run)
             if stack and stack.get("gateway"):
                 try:
                     with urllib.request.urlopen(f"{stack['gateway']}/debug/autoscale", timeout=1) as resp:
                         a = json.load(resp).get("recommendation") or {}
-                    line += f" · desired {a.get('desired', '–')} replicas ({a.get('reason', '')}), running {a.get('current', '–')}"
+                    line += (f" · desired {a.get('desired', '–')} replicas ({a.get('reason', '')}), "
+                             f"running {a.get('current', '–')}")
                 except (OSError, ValueError):
                     pass
             if handle is not None:
-                handle.update(HTML(f"<b>kvlab lab {' '.join(args)}</b>: {line}"))
+                handle.update(HTML(f"<b>kvlab lab {' '.join(args)}</b>: {line}"))  # type: ignore[no-untyped-call]  # IPython.display is untyped
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)      # KeyboardInterrupt in the lab: it stops its stack
