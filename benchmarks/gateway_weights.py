@@ -41,7 +41,7 @@ from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.load.measure import chat_body
 from kvlab.load.oracle import ceiling, prompts
-from kvlab.load.workloads import NAMES, Request, create
+from kvlab.load.workloads import NAMES, WorkloadRequest, create
 
 KV = {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5, "inflight": 1.0}   # kv-aware's weights before issue 17
 # label -> (preset, weight overrides, speculative TTL override); explicit weights, so the tables in
@@ -75,9 +75,9 @@ def policy(label: str) -> PolicyConfig:
     return cfg
 
 
-def sessions_of(workload: str, n: int) -> list[list[Request]]:
+def sessions_of(workload: str, n: int) -> list[list[WorkloadRequest]]:
     """The first `n` requests of the workload's stream, kept in their sessions."""
-    out: list[list[Request]] = []
+    out: list[list[WorkloadRequest]] = []
     left = n
     for s in create(workload, seed=0).sessions():
         out.append(s[:left])
@@ -93,11 +93,11 @@ class Run:
     cached: int = 0
     prompt: int = 0
     errors: int = 0
-    order: list[Request] = field(default_factory=list)   # arrival order, for the oracle
+    order: list[WorkloadRequest] = field(default_factory=list)   # arrival order, for the oracle
     wall_s: float = 0.0
 
 
-async def run_policy(cfg: PolicyConfig, eps: list[Endpoint], sessions: list[list[Request]],
+async def run_policy(cfg: PolicyConfig, eps: list[Endpoint], sessions: list[list[WorkloadRequest]],
                      concurrency: int) -> Run:
     gw = Gateway(cfg, StaticDiscovery(eps), PromptTokenizer(), scrape_interval_ms=200)
     runner = web.AppRunner(gw.app(), access_log=None)
@@ -106,7 +106,7 @@ async def run_policy(cfg: PolicyConfig, eps: list[Endpoint], sessions: list[list
     await web.TCPSite(runner, "127.0.0.1", port).start()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     run = Run()
-    queue: asyncio.Queue[list[Request]] = asyncio.Queue()
+    queue: asyncio.Queue[list[WorkloadRequest]] = asyncio.Queue()
     for s in sessions:
         queue.put_nowait(s)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -115,7 +115,7 @@ async def run_policy(cfg: PolicyConfig, eps: list[Endpoint], sessions: list[list
                 pass
         await asyncio.sleep(1.0)   # first scrape; the reset's AllBlocksCleared makes event streams live
 
-        async def one(req: Request) -> None:
+        async def one(req: WorkloadRequest) -> None:
             run.order.append(req)
             t0 = time.perf_counter()
             first = None

@@ -12,6 +12,7 @@ import requests
 from conftest import sim_process
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.runner import run_bench
+from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import create
 
 pytestmark = pytest.mark.slow
@@ -43,9 +44,10 @@ def test_stream_chat_measures_ttft_itl_and_cached_tokens(replica):
 
 def test_bench_writes_records_summary_and_locust_csv(replica, tmp_path):
     seen = []
-    summary = run_bench(replica["url"], tmp_path, workload="shared-prefix",
-                        params={"groups": 2, "system_tokens": 300, "output_tokens": 8}, users=3, duration_s=4,
-                        seed=5, phase="direct", progress=lambda elapsed, records: seen.append(len(records)))
+    spec = BenchSpec(workload="shared-prefix", params={"groups": 2, "system_tokens": 300, "output_tokens": 8},
+                     users=3, duration_s=4, seed=5)
+    summary = run_bench(replica["url"], tmp_path, spec, phase="direct",
+                        progress=lambda elapsed, records: seen.append(len(records)))
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(records) == summary["requests"] >= 5 and summary["errors"] == 0
     assert max(seen) == len(records)

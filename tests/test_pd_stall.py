@@ -14,7 +14,7 @@ import requests
 from conftest import sim_process
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.summary import summarize
-from kvlab.load.workloads import Request
+from kvlab.load.workloads import WorkloadRequest
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def replica(tmp_path_factory):
 
 def test_a_long_prefill_stalls_a_running_decode_and_the_record_shows_it(replica):
     session = requests.Session()
-    streaming = Request(messages=[{"role": "user", "content": "a short question?"}], max_tokens=60, group="decode")
+    streaming = WorkloadRequest(messages=[{"role": "user", "content": "a short question?"}], max_tokens=60, group="decode")
     record = Record(ts=time.time())
     thread = threading.Thread(target=stream_chat, args=(session, f"{replica}/v1/chat/completions",
                                                         chat_body(streaming, "kvlab-tiny", 0), {}, record))

@@ -10,6 +10,7 @@ import pytest
 from conftest import sim_process
 from kvlab.errors import StackError
 from kvlab.load.runner import run_bench, slow_part
+from kvlab.load.spec import BenchSpec
 
 pytestmark = pytest.mark.slow
 COLD = {"groups": 64, "system_tokens": 1500, "output_tokens": 4}   # nearly every request a cold prefill
@@ -18,8 +19,8 @@ COLD = {"groups": 64, "system_tokens": 1500, "output_tokens": 4}   # nearly ever
 def test_phase_runs_past_its_duration_until_the_minimum(tmp_path):
     # cpu-tiny: a cold 1,500-token prefill takes ~1 s, so one user completes ~2 requests in 2 s
     with sim_process(tmp_path, "--no-kv-events") as (_, info):
-        summary = run_bench(info["replicas"][0]["url"], tmp_path / "phase", params=COLD, users=1, duration_s=2,
-                            phase="p", min_requests=5, limit_s=60)
+        summary = run_bench(info["replicas"][0]["url"], tmp_path / "phase",
+                            BenchSpec(params=COLD, users=1, duration_s=2, min_requests=5, limit_s=60), phase="p")
     assert summary["ok"] >= 5 and summary["duration_s"] > 3.0
     assert (summary["min_requests"], summary["limit_s"]) == (5, 60)
     assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary["ok"]
@@ -29,8 +30,8 @@ def test_phase_that_cannot_reach_its_minimum_fails_naming_the_slow_part(tmp_path
     # 30x slower: a prefill takes ~30 s, nothing completes within the 6-s limit
     with sim_process(tmp_path, "--no-kv-events", "--time-scale", "30") as (_, info):
         with pytest.raises(StackError, match=r"completed 0 of the 3 requests .* 6-s limit: no request finished"):
-            run_bench(info["replicas"][0]["url"], tmp_path / "phase", params=COLD, users=2, duration_s=2,
-                      phase="slow", min_requests=3, limit_s=6)
+            run_bench(info["replicas"][0]["url"], tmp_path / "phase",
+                      BenchSpec(params=COLD, users=2, duration_s=2, min_requests=3, limit_s=6), phase="slow")
     written = json.loads((tmp_path / "phase" / "summary.json").read_text())
     assert written["ok"] == 0 and written["min_requests"] == 3
 

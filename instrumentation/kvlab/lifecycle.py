@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -32,6 +33,14 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     else:
         tmp.write_bytes(data)
     os.replace(tmp, target)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS picks it; the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def announce_ready(info: Any, ready_file: str | Path | None = None) -> None:

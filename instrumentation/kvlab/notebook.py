@@ -1,12 +1,11 @@
-"""Plumbing shared by the lab notebooks (labs/0*.ipynb); the teaching stays in the notebooks.
+"""Display helpers shared by the lab notebooks (labs/0*.ipynb); the teaching stays in the notebooks.
 
-The only state shared between notebooks is the run directory: `ensure_stack` reuses the stack
-runs/latest/stack.json describes when it is healthy (else starts one with `kvlab up`, or, for the
-kind targets, writes a stack.json pointing at the cluster's published URLs), and every phase a
-notebook runs lands in that run dir exactly where `kvlab lab` puts it (phase-N-<policy>/), so
-`kvlab traces`, the report and the next notebook find it. Processes a notebook starts for itself
-(a gateway with another policy, also added to Prometheus's targets) are recorded in <run>/notebook-processes.json and stopped by pid
-when the cell ends, even when it fails.
+The only state shared between notebooks is the run directory: `ensure_stack` attaches to the
+stack runs/latest/stack.json describes when it is healthy (else starts one with `kvlab up`, or, for
+the kind targets, records the deployed cluster; kvlab.stack.attached), and every phase a notebook
+runs goes through the same `run_phases` as `kvlab lab` into that run dir (phase-N-<policy>/), so
+`kvlab traces`, the report and the next notebook find it. What is left here is what a notebook
+shows: progress bars, replica load samples, traces and dashboard panels.
 """
 
 from __future__ import annotations
@@ -22,22 +21,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvlab.errors import StackError
 from kvlab.lab import QUICK
-from kvlab.lifecycle import http_ok
-from kvlab.load.runner import run_bench
+from kvlab.load.runner import Progress as Watch
+from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import read_jsonl
-from kvlab.stack.local import HOST, KVLAB, free_port
-from kvlab.stack.process import Child, stop_recorded
-from kvlab.stack.state import read_stack, runs_dir, set_latest, write_json
+from kvlab.run.phases import Phase, run_phases
+from kvlab.stack import attached
+from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
+from kvlab.stack.base import StackInfo
+from kvlab.stack.launch import KVLAB
+from kvlab.stack.process import Child
+from kvlab.stack.state import read_stack, runs_dir, write_json
 from kvlab.telemetry import names as n
 
-TARGETS = ("local", "kind-cpu", "kind-gpu")
+__all__ = ["PROCESSES_FILE", "TARGETS", "dashboard_panel", "ensure_stack", "gateway", "healthy", "load_phase",
+           "phase", "phase_dir", "replica_metrics", "reset_caches", "run_env", "run_lab", "run_phase",
+           "runs_root", "setup", "stop_stack", "wait_trace"]
+
 QUICK_DURATION_S = QUICK["duration"]
-QUICK_USERS = QUICK["users"]
-KIND_URLS = {"jaeger": "http://127.0.0.1:30686", "prometheus": "http://127.0.0.1:30090",
-             "grafana": "http://127.0.0.1:30300"}   # NodePorts kind/*.yaml publishes (docs/kind.md)
-PROCESSES_FILE = "notebook-processes.json"
+QUICK_USERS = int(QUICK["users"])
 
 
 def setup() -> Path:
@@ -61,21 +66,13 @@ def runs_root() -> Path:
     return runs_dir()
 
 
-def _kvlab(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
-    return subprocess.run([*KVLAB, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, COLUMNS="120"))
+def _dict(info: StackInfo) -> dict[str, Any]:
+    return info.to_dict()
 
 
 def healthy(stack: dict[str, Any] | None) -> bool:
     """A running stack whose gateway (and, locally, every replica) answers /health."""
-    if not stack or stack.get("status") not in ("running", None):
-        return False
-    urls = [stack["gateway"]] + [r["url"] for r in stack.get("replicas", [])]
-    return all(http_ok(f"{u}/health", timeout_s=2.0) for u in urls)
-
-
-def _topology_name(stack: dict[str, Any]) -> str | None:
-    return (stack.get("topology") or {}).get("name")
+    return stack is not None and attached.healthy(msgspec.convert(stack, StackInfo))
 
 
 def ensure_stack(target: str = "local", topology: str = "quickstart", timeout_s: float = 180.0) -> dict[str, Any]:
@@ -84,86 +81,18 @@ def ensure_stack(target: str = "local", topology: str = "quickstart", timeout_s:
     local: `kvlab up --topology T` (a different local topology still running is stopped first).
     kind-cpu / kind-gpu: the cluster must be deployed (docs/kind.md); this only records its URLs.
     """
-    if target not in TARGETS:
-        raise StackError(f"TARGET must be one of {', '.join(TARGETS)}, not {target!r}")
-    root = runs_root()
-    current = read_stack(root / "latest")
-    if target != "local":
-        return _kind_stack(target, topology, root, current)
-    if current and current.get("target", "local") == "local" and healthy(current):
-        if _topology_name(current) == topology:
-            return current
-    if current and current.get("target", "local") == "local" and current.get("status") != "stopped":
-        stop_stack(Path(current["run_dir"]))     # another topology, or degraded: never leave orphans
-    proc = _kvlab("up", "--topology", topology, "--timeout", str(timeout_s), timeout_s=timeout_s + 30)
-    stack = read_stack(root / "latest")
-    if proc.returncode != 0 or not healthy(stack):
-        raise StackError(f"kvlab up failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
-    return _wait_prometheus(stack)
-
-
-def _wait_prometheus(stack: dict[str, Any], timeout_s: float = 20.0) -> dict[str, Any]:
-    """`kvlab up` returns once the gateway is healthy; Prometheus (if installed) comes right after."""
-    from shutil import which
-
-    if which("prometheus") is None or stack["topology"]["observability"]["prometheus"] == "off":
-        return stack
-    deadline = time.monotonic() + timeout_s
-    while not stack.get("prometheus") and time.monotonic() < deadline:
-        time.sleep(0.3)
-        stack = read_stack(Path(stack["run_dir"])) or stack
-    return stack
-
-
-def _kind_stack(target: str, topology: str, root: Path, current: dict[str, Any] | None) -> dict[str, Any]:
-    if current and current.get("target") == target and _topology_name(current) == topology and healthy(current):
-        return current
-    from kvlab.stack.kind import cluster_target
-    from kvlab.stack.state import new_run_dir
-
-    run_dir = new_run_dir(target, root)
-    stack = {"id": run_dir.name, "run_dir": str(run_dir), "status": "running", "target": target,
-             "topology": {"name": topology}, "model": "kvlab-tiny" if target == "kind-cpu" else None,
-             "policy": "kv-aware", "gateway": cluster_target("gateway"), "baseline": cluster_target("baseline"),
-             "replicas": [], "otlp_endpoint": None, "traces_dir": None, **KIND_URLS, "processes": []}
-    with urllib.request.urlopen(f"{stack['gateway']}/v1/models", timeout=10) as resp:
-        stack["model"] = json.load(resp)["data"][0]["id"]      # the served name, whatever the target
-    write_json(run_dir / "stack.json", stack)
-    set_latest(run_dir)
-    return stack
+    return _dict(attached.ensure(target, topology, runs_root(), timeout_s))
 
 
 def stop_stack(run_dir: Path | None = None) -> None:
     """`kvlab down` for a local run dir (default runs/latest) plus any process a notebook recorded."""
-    run = Path(run_dir) if run_dir else runs_root() / "latest"
-    for entry in _recorded(run):
-        stop_recorded(entry)
-    _save_recorded(run, [])
-    stack = read_stack(run)
-    if stack and stack.get("target", "local") == "local":
-        _kvlab("down", "--run-dir", str(run))
-
-
-def _recorded(run: Path) -> list[dict[str, Any]]:
-    try:
-        return json.loads((run / PROCESSES_FILE).read_text())
-    except (OSError, ValueError):
-        return []
-
-
-def _save_recorded(run: Path, entries: list[dict[str, Any]]) -> None:
-    if run.exists():
-        write_json(run / PROCESSES_FILE, entries)
+    attached.stop(Path(run_dir) if run_dir else runs_root() / "latest")
 
 
 def reset_caches(stack: dict[str, Any]) -> int:
-    """POST /reset_prefix_cache on every local replica (a phase starts cold); returns how many.
-    On kind the replicas sit behind Services: restart them (kubectl rollout restart) instead."""
-    for r in stack.get("replicas", []):
-        req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            resp.read()
-    return len(stack.get("replicas", []))
+    """Empty every replica's prefix cache (a phase starts cold): locally POST /reset_prefix_cache,
+    on kind through the API server's pod proxy; returns how many were reset."""
+    return sum(1 for why in AttachedStack.of(stack).reset_caches().values() if why is None)
 
 
 @contextmanager
@@ -173,59 +102,11 @@ def gateway(stack: dict[str, Any], policy: str) -> Iterator[str]:
     The stack's own gateway when its policy matches; locally, else, a `kvlab gateway` started for
     the duration of the `with` block (stopped by pid on exit). On kind, round-robin means the
     plain Service (`baseline`, kube-proxy) and kv-aware the kvlab gateway."""
-    if stack.get("policy") == policy:
-        yield stack["gateway"]
-        return
-    if stack.get("target", "local") != "local":
-        if policy != "round-robin":
-            raise StackError(f"on {stack['target']} the cluster serves round-robin (baseline) and "
-                             f"{stack.get('policy')} (gateway), not {policy}")
-        yield stack["baseline"]
-        return
-    run = Path(stack["run_dir"])
-    port = free_port()
-    ready = run / f"ready-gateway-{policy}.json"
-    ready.unlink(missing_ok=True)
-    g = stack["topology"]["gateway"]
-    argv = [*KVLAB, "gateway", "--host", HOST, "--port", str(port), "--endpoints-file", str(run / "endpoints.json"),
-            "--policy", policy, "--model", stack["model"], "--scrape-interval-ms", str(g["scrape_interval_ms"]),
-            "--ready-file", str(ready)]
-    if g.get("config"):
-        argv += ["--config", g["config"]]
-    if stack["topology"].get("tokenizer"):
-        argv += ["--tokenizer", stack["topology"]["tokenizer"]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env["OTEL_SERVICE_NAME"] = "kvlab-gateway"
-    if stack.get("otlp_endpoint"):
-        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = stack["otlp_endpoint"]
-    else:
-        env["OTEL_TRACES_EXPORTER"] = "none"
-    child = Child.start(f"gateway-{policy}", argv, run / "logs" / f"gateway-{policy}.log", env)
-    _save_recorded(run, [*_recorded(run), child.describe()])
+    stack_ = AttachedStack.of(stack)
     try:
-        child.wait_ready_file(ready, 60)
-        url = f"http://{HOST}:{port}"
-        child.wait_http(f"{url}/health", 60)
-        _scrape(stack, f"{HOST}:{port}", add=True)
-        yield url
+        yield stack_.gateway_for(policy)
     finally:
-        child.stop()
-        _save_recorded(run, [e for e in _recorded(run) if e["pid"] != child.pid])
-        _scrape(stack, f"{HOST}:{port}", add=False)
-
-
-def _scrape(stack: dict[str, Any], hostport: str, add: bool) -> None:
-    """Add (remove) a gateway to the `gateway` job of the stack's Prometheus (file-based service
-    discovery, no reload), so the dashboards show every policy a notebook ran."""
-    from kvlab.stack.prometheus import targets_file, write_targets
-
-    run = Path(stack["run_dir"])
-    path = targets_file(run, "gateway")
-    if not stack.get("prometheus") or not path.is_file():
-        return
-    targets = [t for group in json.loads(path.read_text()) for t in group.get("targets", [])]
-    targets = [t for t in targets if t != hostport] + ([hostport] if add else [])
-    write_targets(run, "gateway", targets)
+        stack_.stop()
 
 
 # ---- engine metrics ---------------------------------------------------------------------------------
@@ -264,7 +145,7 @@ class _Progress:
         from IPython.display import HTML, display
 
         self.label, self.total_s, self.stack, self._html = label, total_s, stack, HTML
-        self.handle = display(HTML(self._render(0.0, [])), display_id=True)
+        self.handle = display(HTML(self._render(0.0, [])), display_id=True)  # type: ignore[no-untyped-call]  # IPython.display is untyped
         self.samples: list[dict[str, Any]] = []
         self._next = 0.0
 
@@ -282,7 +163,22 @@ class _Progress:
             for name, m in replica_metrics(self.stack).items():
                 self.samples.append({"t": round(elapsed, 2), "replica": name, **m})
             if self.handle is not None:
-                self.handle.update(self._html(self._render(elapsed, records)))
+                self.handle.update(self._html(self._render(elapsed, records)))  # type: ignore[no-untyped-call]  # IPython.display is untyped
+
+
+class _Display:
+    """run_phases' Display in a notebook: a `_Progress` per phase (its replica samples kept)."""
+
+    def __init__(self, stack: dict[str, Any]) -> None:
+        self.stack = stack
+        self.progress: _Progress | None = None
+
+    def begin(self, number: int, phase: Phase, total_s: float) -> Watch:
+        self.progress = _Progress(f"phase {number}: {phase.name}", total_s, self.stack)
+        return self.progress
+
+    def end(self) -> None:
+        pass
 
 
 def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
@@ -295,26 +191,29 @@ def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
 def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = QUICK_USERS,
               duration_s: float = QUICK_DURATION_S, seed: int = 0) -> dict[str, Any]:
-    """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab bench).
+    """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab.run.phases).
 
     Writes <run>/phase-N-<policy>/ (requests.jsonl, summary.json, replica-samples.json, the
     engines' prefix-cache counters before/after) and returns load_phase() of it."""
     run = Path(stack["run_dir"])
     number = 1 + max([int(p.name.split("-")[1]) for p in run.glob("phase-*-*") if p.name.split("-")[1].isdigit()],
                      default=0)
-    out = run / f"phase-{number}-{policy}"
-    reset_caches(stack)
-    progress = _Progress(f"phase {number}: {policy}", duration_s, stack)
-    with gateway(stack, policy) as url:
-        before = replica_metrics(stack)
-        run_bench(url, out, workload=workload, params=params, users=users, duration_s=duration_s, seed=seed,
-                  model=stack["model"], phase=policy, policy=policy, otlp_endpoint=stack.get("otlp_endpoint"),
-                  progress=progress)
-        after = replica_metrics(stack)
+    spec = BenchSpec(workload=workload, params=params or {}, users=users, duration_s=duration_s, seed=seed,
+                     model=stack["model"])
+    display = _Display(stack)
+    stack_ = AttachedStack.of(stack)
+    before = replica_metrics(stack)   # counters only grow: a reset or a gateway start does not move them
+    try:
+        stack_.start()
+        (result,) = run_phases(stack_, spec, [Phase(policy, policy)], run, display, first=number)
+    finally:
+        stack_.stop()
+    after = replica_metrics(stack)
     engines = {name: {k: after[name][k] - before.get(name, {}).get(k, 0.0) for k in ("queries", "hits")}
                for name in after}
-    write_json(out / "replica-samples.json", {"samples": progress.samples, "engine_prefix_cache": engines})
-    return load_phase(out)
+    samples = display.progress.samples if display.progress is not None else []
+    write_json(result.dir / "replica-samples.json", {"samples": samples, "engine_prefix_cache": engines})
+    return load_phase(result.dir)
 
 
 def load_phase(out: Path) -> dict[str, Any]:
@@ -333,7 +232,8 @@ def phase(stack: dict[str, Any], policy: str, **kw: Any) -> dict[str, Any]:
         earlier = load_phase(found)
         s = earlier["summary"]
         wanted = {"workload": kw.get("workload", "shared-prefix"), "seed": kw.get("seed", 0),
-                  "users": kw.get("users", QUICK_USERS), "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
+                  "users": kw.get("users", QUICK_USERS),
+                  "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
         if all(s.get(k) == v for k, v in wanted.items()):
             print(f"using {found.relative_to(stack['run_dir'])} from an earlier notebook (same workload, seed, users)")
             return earlier
@@ -347,7 +247,8 @@ def run_env() -> dict[str, Any]:
     import kvlab
 
     return {"python": sys.executable, "kvlab": getattr(kvlab, "__version__", "?"),
-            "runs": str(runs_root()), **{b: which(b) for b in ("prometheus", "jaeger", "chromium", "kind", "kubectl", "docker")}}
+            "runs": str(runs_root()),
+            **{b: which(b) for b in ("prometheus", "jaeger", "chromium", "kind", "kubectl", "docker")}}
 
 
 # ---- traces ----------------------------------------------------------------------------------------
@@ -391,9 +292,12 @@ def dashboard_panel(prometheus: str, dashboard: Path, title: str, start: float, 
     if not queries:
         raise StackError(f"no panel {title!r} in {dashboard}")
     for ref, expr in queries:
-        promql = grafana_expr(expr, rate_interval_s=max(4, 4 * step_s), step_s=step_s, range_s=max(1, int(end - start)))
+        promql = grafana_expr(expr, rate_interval_s=max(4, 4 * step_s), step_s=step_s,
+                              range_s=max(1, int(end - start)))
         for series in query_range(prometheus, promql, start, end, step_s):
-            label = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: series["metric"].get(m.group(1), ""), legends[(title, ref)])
+            labels = series["metric"]
+            label = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m, labels=labels: labels.get(m.group(1), ""),
+                           legends[(title, ref)])
             points = [(float(t) - start, float(v)) for t, v in series["values"]]
             fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines",
                                      name=label or ref))
@@ -428,24 +332,25 @@ def run_lab(args: list[str], label: str) -> Path:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=dict(os.environ, COLUMNS="110"))
     child = Child("kvlab-lab", argv, log, proc)
-    _save_recorded(run, [child.describe()])
-    handle = display(HTML(f"<b>kvlab lab {' '.join(args)}</b>: starting..."), display_id=True)
+    attached.save_recorded(run, [child.describe()])
+    handle = display(HTML(f"<b>kvlab lab {' '.join(args)}</b>: starting..."), display_id=True)  # type: ignore[no-untyped-call]  # IPython.display is untyped
     started = time.monotonic()
     try:
         while proc.poll() is None:
             time.sleep(1.0)
-            count = sum(sum(1 for _ in open(p, "rb")) for p in run.glob("phase-*/requests.jsonl"))
+            count = sum(p.read_bytes().count(b"\n") for p in run.glob("phase-*/requests.jsonl"))
             line = f"{time.monotonic() - started:.0f} s · {count} requests"
             stack = read_stack(run)
             if stack and stack.get("gateway"):
                 try:
                     with urllib.request.urlopen(f"{stack['gateway']}/debug/autoscale", timeout=1) as resp:
                         a = json.load(resp).get("recommendation") or {}
-                    line += f" · desired {a.get('desired', '–')} replicas ({a.get('reason', '')}), running {a.get('current', '–')}"
+                    line += (f" · desired {a.get('desired', '–')} replicas ({a.get('reason', '')}), "
+                             f"running {a.get('current', '–')}")
                 except (OSError, ValueError):
                     pass
             if handle is not None:
-                handle.update(HTML(f"<b>kvlab lab {' '.join(args)}</b>: {line}"))
+                handle.update(HTML(f"<b>kvlab lab {' '.join(args)}</b>: {line}"))  # type: ignore[no-untyped-call]  # IPython.display is untyped
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)      # KeyboardInterrupt in the lab: it stops its stack
@@ -453,7 +358,7 @@ def run_lab(args: list[str], label: str) -> Path:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 child.stop()
-        _save_recorded(run, [])
+        attached.save_recorded(run, [])
     if proc.returncode != 0:
         raise StackError(f"kvlab lab failed (exit {proc.returncode}); last lines of {log}:\n{log.read_text()[-3000:]}")
     return run

@@ -31,8 +31,8 @@ from kvlab.calibration.measure import Grid, medians, spread, start_engine
 from kvlab.doctor import DTYPES, detect_isa
 from kvlab.engine.model import resolve_dtype
 from kvlab.engine.sim.profile import LatencyProfile, write_user_profile
-from kvlab.errors import KvlabError
 from kvlab.lifecycle import terminate
+from kvlab.run.command import fail, guarded
 from kvlab.stack.state import new_run_dir, write_json
 
 MAX_BATCHED = 2048     # vLLM's CPU default max_num_batched_tokens; the sim gets the same
@@ -201,15 +201,6 @@ def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
     console = Console()
     if importlib.util.find_spec("vllm") is None:
-        console.print("kvlab calibrate: needs real vLLM: run `make vllm` (docs/vllm.md)", style="red")
-        return 1
-    try:
-        calibrate(a, console)
-    except (KvlabError, ValueError) as exc:
-        console.print(f"kvlab calibrate: {exc}", style="red", markup=False)
-        return 1
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; the engines were stopped[/yellow]")
-        return 130
-    return 0
+        return fail(console, "calibrate", "needs real vLLM: run `make vllm` (docs/vllm.md)")
+    return guarded(console, "calibrate", lambda: calibrate(a, console), "the engines were stopped")
 

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from kvlab.errors import KvlabError
 from kvlab.load.runner import run_bench
+from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import NAMES
 from kvlab.stack.state import latest_stack, runs_dir
@@ -63,10 +64,9 @@ def main(argv: list[str]) -> int:
     try:
         params = json.loads(args.params)
         with console.status(f"Locust: {args.workload}, {args.users} users, {args.duration:.0f} s against {target}"):
-            summary = run_bench(target, out, workload=args.workload, params=params, users=args.users,
-                                spawn_rate=args.spawn_rate, duration_s=args.duration, seed=args.seed,
-                                model=model, phase=args.phase,
-                                otlp_endpoint=(stack or {}).get("otlp_endpoint"))
+            spec = BenchSpec(workload=args.workload, params=params, users=args.users, spawn_rate=args.spawn_rate,
+                             duration_s=args.duration, seed=args.seed, model=model)
+            summary = run_bench(target, out, spec, phase=args.phase, otlp_endpoint=(stack or {}).get("otlp_endpoint"))
     except (KvlabError, ValueError) as exc:
         console.print(f"kvlab bench: {exc}", style="red", markup=False)
         return 1

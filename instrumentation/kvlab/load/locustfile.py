@@ -29,7 +29,8 @@ _out: IO[str] | None = None
 def _stack_gateway() -> str | None:
     stack = Path(os.environ.get("KVLAB_RUNS_DIR", "runs")) / "latest" / "stack.json"
     try:
-        return json.loads(stack.read_text()).get("gateway")
+        gateway = json.loads(stack.read_text()).get("gateway")
+        return str(gateway) if gateway else None
     except (OSError, ValueError):
         return None
 
@@ -37,7 +38,7 @@ def _stack_gateway() -> str | None:
 ChatUser.host = _stack_gateway()
 
 
-@events.init_command_line_parser.add_listener
+@events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _options(parser: Any) -> None:
     parser.add_argument("--workload", choices=NAMES, default="shared-prefix", env_var="KVLAB_WORKLOAD",
                         help="kvlab workload")
@@ -52,12 +53,12 @@ def _options(parser: Any) -> None:
                         help="write one JSON line per request to this file")
 
 
-@events.init.add_listener
+@events.init.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _init(environment: Any, **_: Any) -> None:
     configure_tracing("kvlab-locust")
 
 
-@events.test_start.add_listener
+@events.test_start.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _start(environment: Any, **_: Any) -> None:
     global _out
     opts = environment.parsed_options
@@ -65,17 +66,17 @@ def _start(environment: Any, **_: Any) -> None:
     users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy)
     if opts.requests_out and _out is None:
         Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
-        _out = open(opts.requests_out, "a", buffering=1)
+        _out = open(opts.requests_out, "a", buffering=1)   # noqa: SIM115 (open for the whole test; closed at quit)
 
 
-@events.request.add_listener
-def _record(context: dict | None = None, **_: Any) -> None:
+@events.request.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
+def _record(context: dict[str, Any] | None = None, **_: Any) -> None:
     record = (context or {}).get("kvlab_record")
     if record is not None and _out is not None:
         _out.write(json.dumps(record) + "\n")
 
 
-@events.quitting.add_listener
+@events.quitting.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _quit(environment: Any, **_: Any) -> None:
     global _out
     if _out is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import requests
 
-from kvlab.load.workloads import Request
+from kvlab.load.workloads import WorkloadRequest
 from kvlab.telemetry import names
 
 _decode = msgspec.json.Decoder().decode
@@ -51,7 +51,7 @@ class Record(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-def chat_body(req: Request, model: str, seed: int) -> dict[str, Any]:
+def chat_body(req: WorkloadRequest, model: str, seed: int) -> dict[str, Any]:
     """The request body: fixed output length (vLLM's min_tokens/ignore_eos) and usage in the stream."""
     return {
         "model": model,
@@ -96,7 +96,7 @@ def stream_chat(session: requests.Session, url: str, body: dict[str, Any], heade
                 record.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return record
             # chunk_size=None: yield bytes as they arrive (a fixed size would wait to fill it)
-            for line in resp.iter_lines(chunk_size=None):
+            for line in resp.iter_lines(chunk_size=None):  # type: ignore[call-overload]  # stubs lack None
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()

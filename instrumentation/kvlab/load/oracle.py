@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
-from kvlab.load.workloads import Request
+from kvlab.load.workloads import WorkloadRequest
 
 _NEVER = float("inf")
 
@@ -51,7 +51,8 @@ class Oracle:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def prompts(requests: Iterable[Request], block_size: int, tokenizer: PromptTokenizer | None = None) -> list[Prompt]:
+def prompts(requests: Iterable[WorkloadRequest], block_size: int,
+            tokenizer: PromptTokenizer | None = None) -> list[Prompt]:
     """Each request's prompt as the gateway tokenizes it (the model's chat template), in blocks."""
     tok = tokenizer or PromptTokenizer()
     out = []
@@ -94,7 +95,7 @@ def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None
     return Oracle(prompt_tokens, hits * block_size, block_size, capacity_blocks)
 
 
-def oracle(requests: Iterable[Request], block_size: int, replicas: int, blocks_per_replica: int | None,
+def oracle(requests: Iterable[WorkloadRequest], block_size: int, replicas: int, blocks_per_replica: int | None,
            tokenizer: PromptTokenizer | None = None) -> Oracle:
     """The ceiling for `requests` on `replicas` replicas of `blocks_per_replica` blocks each."""
     cap = None if blocks_per_replica is None else replicas * blocks_per_replica

@@ -17,7 +17,7 @@ from kvlab.config import Strict, convert
 from kvlab.errors import ConfigError
 
 
-class Ramp(Strict):
+class Ramp(Strict, frozen=True):
     """`points`: [[seconds, users], ...], strictly increasing in time, starting at 0; the users
     between two points are interpolated linearly (rounded); the load ends at the last point."""
 
@@ -45,7 +45,7 @@ class Ramp(Strict):
         t = max(t, 0.0)
         for (t0, u0), (t1, u1) in zip(self.points, self.points[1:]):
             if t <= t1:
-                return int(math.floor(u0 + (u1 - u0) * (t - t0) / (t1 - t0) + 0.5))
+                return math.floor(u0 + (u1 - u0) * (t - t0) / (t1 - t0) + 0.5)
         return self.points[-1][1]
 
     def to_json(self) -> str:

@@ -17,7 +17,7 @@ from kvlab.load.ramp import Ramp
 SPAWN_RATE = 100.0   # users started/stopped per second: each tick reaches the ramp's count at once
 
 
-@events.init_command_line_parser.add_listener
+@events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _options(parser: Any) -> None:
     parser.add_argument("--ramp", default="", env_var="KVLAB_RAMP",
                         help='users over time as JSON {"points": [[seconds, users], ...]}')
@@ -28,9 +28,10 @@ class RampShape(LoadTestShape):
 
     def ramp(self) -> Ramp:
         if self._ramp is None:
+            assert self.runner is not None and self.runner.environment.parsed_options is not None
             self._ramp = Ramp.from_json(self.runner.environment.parsed_options.ramp)
         return self._ramp
 
     def tick(self) -> tuple[int, float] | None:
-        users = self.ramp().users_at(self.get_run_time())
+        users = self.ramp().users_at(self.get_run_time())  # type: ignore[no-untyped-call]  # locust
         return None if users is None else (users, SPAWN_RATE)

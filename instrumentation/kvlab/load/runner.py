@@ -11,11 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
-from kvlab.load.ramp import Ramp
+from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
@@ -49,19 +50,20 @@ class JsonlTail:
         return self.records
 
 
-def locust_argv(target: str, out_dir: Path, workload: str, params: dict[str, Any] | None, users: int,
-                spawn_rate: float, duration_s: float, seed: int, model: str, phase: str = "",
-                policy: str = "", ramp: Ramp | None = None) -> list[str]:
-    """With `ramp`, the ramp shape decides the users over time (and when the test ends)."""
+def locust_argv(target: str, out_dir: Path, spec: BenchSpec, run_time_s: float, phase: str = "",
+                policy: str = "") -> list[str]:
+    """Locust runs for `run_time_s`; with `spec.ramp`, the ramp shape decides the users over time
+    (and when the test ends)."""
+    ramp = spec.ramp
     files = str(LOCUSTFILE) if ramp is None else f"{LOCUSTFILE},{RAMP_SHAPE}"
-    load = ["-u", str(users), "-r", str(spawn_rate), "-t", f"{max(1, round(duration_s))}s"] if ramp is None \
-        else ["--ramp", ramp.to_json()]
+    load = ["-u", str(spec.users), "-r", str(spec.spawn_rate or spec.users), "-t", f"{max(1, round(run_time_s))}s"] \
+        if ramp is None else ["--ramp", ramp.to_json()]
     return [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", target, *load,
             "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
             "--html", str(out_dir / "locust.html"),
             "--loglevel", "WARNING", "--exit-code-on-error", "0",
-            "--workload", workload, "--workload-params", json.dumps(params or {}), "--seed", str(seed),
-            "--model", model, "--phase", phase, "--policy", policy,
+            "--workload", spec.workload, "--workload-params", json.dumps(spec.params), "--seed", str(spec.seed),
+            "--model", spec.model, "--phase", phase, "--policy", policy,
             "--requests-out", str(out_dir / "requests.jsonl")]
 
 
@@ -80,33 +82,27 @@ def slow_part(records: list[dict[str, Any]], elapsed_s: float) -> str:
             f"rest of a reply p50 {decode / 1000:.1f} s")
 
 
-def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefix",
-              params: dict[str, Any] | None = None, users: int = 16, spawn_rate: float | None = None,
-              duration_s: float = 30.0, seed: int = 0, model: str = "kvlab-tiny", phase: str = "",
-              policy: str = "", otlp_endpoint: str | None = None,
-              progress: Progress | None = None, ramp: Ramp | None = None,
-              min_requests: int = 0, limit_s: float | None = None) -> dict[str, Any]:
+def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str = "", policy: str = "",
+              otlp_endpoint: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
-    locust.log.
-    With `ramp`, users follow it (`users`/`duration_s` are then taken from it).
+    locust.log. With `spec.ramp`, users follow it (`users`/`duration_s` are then taken from it).
 
-    With `min_requests`, the test runs until `duration_s` has passed *and* that many requests
-    completed, for at most `limit_s` (default 4 × duration_s); short of the minimum by then it
-    writes summary.json and raises StackError naming the slow part."""
-    if ramp is not None:
-        users, duration_s = ramp.peak, ramp.duration_s
+    With `spec.min_requests`, short of the minimum when the limit is reached it writes
+    summary.json and raises StackError naming the slow part."""
+    users, duration_s, min_requests = spec.users, spec.duration_s, spec.min_requests
+    if spec.ramp is not None:
+        users, duration_s = spec.ramp.peak, spec.ramp.duration_s
         min_requests = 0
-    limit_s = max(limit_s or 4 * duration_s, duration_s) if min_requests else duration_s
+    limit_s = max(spec.limit_s or 4 * duration_s, duration_s) if min_requests else duration_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "requests.jsonl"
     jsonl.unlink(missing_ok=True)
     env = dict(os.environ, OTEL_SERVICE_NAME="kvlab-locust")
-    if otlp_endpoint:
+    if otlp_endpoint:   # else the user's own OTEL_* settings, if any, apply (kvlab bench)
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     # Locust's own run time is the hard limit; the minimum is checked here, and met, Locust is stopped
-    argv = locust_argv(target, out, workload, params, users, spawn_rate or users, limit_s, seed, model,
-                       phase, policy, ramp)
+    argv = locust_argv(target, out, msgspec.structs.replace(spec, users=users), limit_s, phase, policy)
     tail = JsonlTail(jsonl)
     start = time.monotonic()
     with open(out / "locust.log", "wb") as log:
@@ -132,8 +128,8 @@ def run_bench(target: str, out_dir: str | Path, *, workload: str = "shared-prefi
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
     summary = summarize(records) | {
-        "phase": phase, "policy": policy, "target": target, "users": users, "seed": seed,
-        "workload": workload, "workload_params": params or {}, "configured_duration_s": duration_s,
+        "phase": phase, "policy": policy, "target": target, "users": users, "seed": spec.seed,
+        "workload": spec.workload, "workload_params": spec.params, "configured_duration_s": duration_s,
         "min_requests": min_requests, "limit_s": limit_s if min_requests else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every complete JSON line of `path` (a line cut short by a killed writer is skipped)."""
-    out = []
+    out: list[dict[str, Any]] = []
     p = Path(path)
     if not p.exists():
         return out
@@ -28,9 +28,11 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
     if not values:
-        return {f"p{q}": None for q in qs} | {"mean": None}
+        return {**dict.fromkeys((f"p{q}" for q in qs), None), "mean": None}
     arr = np.asarray(values, dtype=float)
-    return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in qs} | {"mean": round(float(arr.mean()), 3)}
+    out: dict[str, float | None] = {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in qs}
+    out["mean"] = round(float(arr.mean()), 3)
+    return out
 
 
 def _fraction(part: int, whole: int) -> float | None:

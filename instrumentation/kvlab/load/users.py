@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import requests
@@ -21,7 +22,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.load.measure import Record, chat_body, stream_chat
-from kvlab.load.workloads import Request, Workload
+from kvlab.load.workloads import Workload, WorkloadRequest
 from kvlab.telemetry import genai, names
 
 tracer = trace.get_tracer("kvlab.load")
@@ -30,15 +31,15 @@ tracer = trace.get_tracer("kvlab.load")
 class Feed:
     """The workload's session stream shared by every user of this process (gevent: no locking)."""
 
-    def __init__(self, workload: Workload, model: str, phase: str = "", policy: str = "") -> None:
+    def __init__(self, workload: Workload[Any], model: str, phase: str = "", policy: str = "") -> None:
         self.workload = workload
         self.model = model
         self.phase = phase
         self.policy = policy
-        self._sessions: Iterator[list[Request]] = workload.sessions()
+        self._sessions: Iterator[list[WorkloadRequest]] = workload.sessions()
         self.counter = itertools.count()
 
-    def next_session(self) -> list[Request]:
+    def next_session(self) -> list[WorkloadRequest]:
         return next(self._sessions)
 
 
@@ -71,11 +72,11 @@ class ChatUser(User):
                 time.sleep(0.5)
                 return
 
-    def send(self, feed: Feed, req: Request) -> Record:
+    def send(self, feed: Feed, req: WorkloadRequest) -> Record:
         n = next(feed.counter)
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
                         group=req.group, turn=req.turn)
-        attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
+        attrs: dict[str, str | int | bool] = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
                  names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}
         with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
@@ -85,7 +86,7 @@ class ChatUser(User):
             ctx = span.get_span_context()
             if ctx.is_valid:
                 record.trace_id = format(ctx.trace_id, "032x")
-            stream_chat(self.http, f"{self.host.rstrip('/')}/v1/chat/completions",
+            stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
                         chat_body(req, feed.model, feed.workload.seed + n), headers, record)
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:

@@ -12,7 +12,6 @@ Writes phase-1-<policy>/{requests.jsonl, summary.json, autoscale.json}, summary.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import threading
@@ -25,18 +24,16 @@ from typing import Any
 import msgspec
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvlab.lab import workload_params
 from kvlab.load.ramp import Ramp, up_hold_down
-from kvlab.load.runner import run_bench
-from kvlab.load.summary import read_jsonl
+from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
+from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.stack.local import LocalStack
-from kvlab.stack.state import new_run_dir, set_latest, write_json
+from kvlab.stack.state import new_run_dir, write_json
 from kvlab.topology import Topology
 
 FULL = {"duration": 90.0, "users": 16}
@@ -137,60 +134,50 @@ def _actions_table(actions: list[dict[str, Any]], t0: float) -> Table:
     return table
 
 
-def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console, policy: str) -> Path:
-    """The scenario (see the module docstring); returns the run dir."""
-    preset = QUICK if args.quick else FULL
-    ramp = up_hold_down(args.duration or preset["duration"], args.users or preset["users"])
-    name = args.workload or topology.workload.name
-    params = workload_params(topology, name, json.loads(args.workload_params))
-    workload = create(name, seed=args.seed, params=params)
+def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy: str, *, quick: bool = False,
+                  duration_s: float | None = None, users: int | None = None, run_dir: Path | None = None) -> Path:
+    """The scenario (see the module docstring) with `spec`'s workload, the ramp sized by `duration_s`
+    and peak `users` (defaults: FULL, or QUICK); returns the run dir."""
+    preset = QUICK if quick else FULL
+    ramp = up_hold_down(duration_s or preset["duration"], users or int(preset["users"]))
+    spec = msgspec.structs.replace(spec, ramp=ramp, users=ramp.peak, duration_s=ramp.duration_s,
+                                   min_requests=0, limit_s=None)
     settings = topology.gateway.autoscale
     assert settings is not None
-    run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir("autoscale")
+    run_dir = run_dir.absolute() if run_dir else new_run_dir("autoscale")
     console.rule(f"[bold]kvlab lab · autoscaling[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replica(s) to start, up to {settings.max_replicas} · "
-                  f"policy {policy} · workload {workload.name} (seed {args.seed}) · users 1 → {ramp.peak} → 1 "
+                  f"policy {policy} · workload {spec.workload} (seed {spec.seed}) · users 1 → {ramp.peak} → 1 "
                   f"over {ramp.duration_s:.0f} s")
     started = time.monotonic()
-    out = run_dir / f"phase-1-{policy}"
-    with LocalStack(topology, run_dir) as stack:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        set_latest(run_dir)
+    with LocalStack(topology, run_dir, policy=policy) as stack:
         with console.status("starting replicas, gateway, telemetry and the scaler..."):
-            stack.start_traces()
-            stack.start_engines()
-            stack.start_gateway(policy)
-            stack.start_prometheus()
-            stack.start_scaler()
-        floor = stack.scaler.current()
-        timeline = Timeline(stack.gateway_url, stack.scaler.current).start()
+            stack.start()
+        scaler = stack.scaler
+        assert scaler is not None
+        floor = scaler.current()
+        timeline = Timeline(stack.gateway_url, scaler.current).start()
         console.print(f"[green]✓[/green] up in {time.monotonic() - started:.0f} s; logs in {stack.logs}")
+
+        def live(elapsed: float, records: list[dict[str, Any]]) -> str:
+            s = timeline.last
+            return (f"users {ramp.users_at(elapsed) or 0:>2} · desired {s.get('desired', '–')} "
+                    f"({s.get('reason', '')}) · running {s.get('running', '–')} · {len(records)} requests")
+
         try:
-            with Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), TimeElapsedColumn(),
-                          TextColumn("{task.fields[live]}"), console=console) as progress:
-                task = progress.add_task("ramp", total=ramp.duration_s, live="")
-
-                def update(elapsed: float, records: list[dict[str, Any]]) -> None:
-                    s = timeline.last
-                    progress.update(task, completed=min(elapsed, ramp.duration_s),
-                                    live=f"users {ramp.users_at(elapsed) or 0:>2} · desired {s.get('desired', '–')} "
-                                         f"({s.get('reason', '')}) · running {s.get('running', '–')} · "
-                                         f"{len(records)} requests")
-
-                summary = run_bench(stack.gateway_url, out, workload=workload.name, params=params, seed=args.seed,
-                                    model=topology.model, phase=policy, policy=policy,
-                                    otlp_endpoint=stack.otlp_endpoint, progress=update, ramp=ramp)
-                progress.update(task, completed=ramp.duration_s)
+            with RichDisplay(console, live=live) as display:   # one phase, on the gateway the scaler follows
+                (ran,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display)
             with console.status("load over: waiting for the scale-down..."):
                 deadline = time.monotonic() + settings.scale_down_window_s + SETTLE_S
-                while time.monotonic() < deadline and stack.scaler.current() > floor:
+                while time.monotonic() < deadline and scaler.current() > floor:
                     time.sleep(0.5)
                 time.sleep(1.0)   # one more sample at the floor
         finally:
             timeline.stop()
-            actions = list(stack.scaler.actions)
+            actions = list(scaler.actions)
             stack.stop_scaler()
-    records = read_jsonl(out / "requests.jsonl")
+    out, summary = ran.dir, ran.summary
+    records = ran.records
     data = {"ramp": msgspec.to_builtins(ramp), "settings": msgspec.to_builtins(settings), "floor": floor,
             "samples": timeline.samples, "actions": actions, "users": users_over_time(out)}
     write_json(out / "autoscale.json", data)
@@ -198,13 +185,14 @@ def run_autoscale(args: argparse.Namespace, topology: Topology, console: Console
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "scenario": "autoscale", "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": workload.describe(), "users": ramp.peak, "duration_s": ramp.duration_s, "quick": args.quick,
+        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
+        "duration_s": ramp.duration_s, "quick": quick,
         "policies": [policy], "phases": {policy: summary}, "autoscale": result,
         "wall_s": round(time.monotonic() - started, 1),
     }
     write_json(run_dir / "summary.json", document)
     meta = {"run": run_dir.name, "scenario": "autoscaling under a load ramp", "engine": topology.engine,
-            "replicas at start": topology.total_replicas, "workload": workload.name, "seed": args.seed,
+            "replicas at start": topology.total_replicas, "workload": spec.workload, "seed": spec.seed,
             "peak users": ramp.peak, "seconds": ramp.duration_s}
     phases = {policy: {"summary": summary, "records": records, "autoscale": data}}
     report = write_report(run_dir / "report.html", phases, meta)

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -24,17 +23,10 @@ from typing import Any
 
 import aiohttp
 
+from kvlab.stack.launch import HOST, KVLAB, free_port
 from kvlab.stack.process import Child
 
-HOST = "127.0.0.1"
-KVLAB = [sys.executable, "-m", "kvlab.cli"]
 NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

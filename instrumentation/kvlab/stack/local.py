@@ -9,65 +9,23 @@ starts is recorded in runs/<id>/stack.json (contract 3) with pid, argv and log.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import msgspec
 import yaml
 
 from kvlab.errors import StackError
+from kvlab.stack.base import StackInfo
+from kvlab.stack.launch import HOST, KVLAB, child_env, engine_argv, free_port, gateway_args
 from kvlab.stack.process import Child
 from kvlab.stack.prometheus import start_prometheus
 from kvlab.stack.state import set_latest, write_json
 from kvlab.telemetry.sink import choose_trace_target, start_trace_target
 from kvlab.topology import Pool, Topology
-
-HOST = "127.0.0.1"
-KVLAB = [sys.executable, "-m", "kvlab.cli"]
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def engine_argv(topology: Topology, pool: Pool, name: str, ready_file: Path, log_dir: Path) -> list[str]:
-    """`kvlab engine sim|vllm ...` for one pool; each replica gets its own port and KV-event socket."""
-    argv = [*KVLAB, "engine", topology.engine, "--replicas", str(pool.replicas), "--host", HOST,
-            "--name", name, "--model", topology.model, "--ready-file", str(ready_file)]
-    if topology.tokenizer:
-        argv += ["--tokenizer", topology.tokenizer]
-    if pool.role != "both":
-        argv += ["--role", pool.role]
-    if pool.data_parallel_size > 1:
-        argv += ["--data-parallel-size", str(pool.data_parallel_size)]
-    if topology.engine == "sim":
-        s = topology.sim
-        argv += ["--profile", s.profile, "--time-scale", str(s.time_scale), "--block-size", str(s.block_size),
-                 "--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-                 "--max-model-len", str(s.max_model_len), "--seed", str(s.seed)]
-        if s.num_blocks is not None:
-            argv += ["--num-blocks", str(s.num_blocks)]
-        if s.cpu_kv_blocks:
-            argv += ["--cpu-kv-blocks", str(s.cpu_kv_blocks)]
-    else:
-        v = topology.vllm
-        argv += ["--block-size", str(v.block_size), "--max-model-len", str(v.max_model_len),
-                 "--kv-cache-space-gib", str(v.kv_cache_space_gib), "--log-dir", str(log_dir)]
-        if v.num_blocks is not None:
-            argv += ["--num-blocks", str(v.num_blocks)]
-        if v.model_dir:
-            argv += ["--model-dir", v.model_dir]
-        if v.extra_args:
-            argv += ["--", *v.extra_args]
-    return argv
 
 
 def _hostport(url: str) -> str:
@@ -75,10 +33,23 @@ def _hostport(url: str) -> str:
     return f"{u.hostname}:{u.port}"
 
 
+def reset_replicas(replicas: list[dict[str, Any]]) -> dict[str, str | None]:
+    """POST /reset_prefix_cache on each replica reachable from here; a failure is a StackError."""
+    for r in replicas:
+        req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                resp.read()
+        except OSError as exc:
+            raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
+    return {r["name"]: None for r in replicas}
+
+
 class LocalStack:
     """Start, swap and stop the processes of one topology under `run_dir`."""
 
-    def __init__(self, topology: Topology, run_dir: Path, ready_timeout_s: float | None = None) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, ready_timeout_s: float | None = None,
+                 policy: str | None = None, with_gateway: bool = True) -> None:
         self.topology = topology
         self.run_dir = Path(run_dir).absolute()
         self.logs = self.run_dir / "logs"
@@ -95,14 +66,17 @@ class LocalStack:
         self._span_export: Any = None     # this process's span processor (the scaler's spans)
         self._state_lock = threading.Lock()   # the scaler's thread writes stack.json too
         self._starting = False                # stack.json says "starting" until start() is done
-        self.extra: dict[str, Any] = {}
+        self.jaeger: str | None = None
+        self.supervisor: dict[str, Any] | None = None   # the supervisor process of `kvlab up`
+        self.start_policy = policy or topology.gateway.policy
+        self.with_gateway = with_gateway             # False: gateways only through gateway_for()
 
     @property
     def gateway_url(self) -> str:
         return f"http://{HOST}:{self.gateway_port}"
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def start(self, policy: str | None = None) -> LocalStack:
+    def start(self) -> None:
         """Telemetry, replicas, gateway and Prometheus; stack.json written; runs/latest updated."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         set_latest(self.run_dir)
@@ -110,7 +84,8 @@ class LocalStack:
         try:
             self.start_traces()
             self.start_engines()
-            self.start_gateway(policy or self.topology.gateway.policy)
+            if self.with_gateway:
+                self.start_gateway(self.start_policy)
             self.start_prometheus()
             if self.topology.gateway.autoscale is not None:
                 self.start_scaler()
@@ -120,7 +95,6 @@ class LocalStack:
             raise
         self._starting = False
         self.write_state()
-        return self
 
     def stop(self) -> None:
         """Stop every process this stack started, newest first, and wait for each."""
@@ -139,19 +113,7 @@ class LocalStack:
 
     # ---- parts -----------------------------------------------------------------------------------
     def _env(self, service: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
-        env["OTEL_SERVICE_NAME"] = service
-        if self.otlp_endpoint:
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.otlp_endpoint
-            # export every second rather than the SDK's 5 s, so a learner's trace shows up at once
-            env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
-            ratio = self.topology.observability.sample_ratio
-            if ratio < 1.0:
-                env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-                env["OTEL_TRACES_SAMPLER_ARG"] = str(ratio)
-        else:
-            env["OTEL_TRACES_EXPORTER"] = "none"
-        return env
+        return child_env(service, self.otlp_endpoint, self.topology.observability.sample_ratio)
 
     def start_traces(self) -> None:
         """OTLP endpoint for every process: the observability sink or Jaeger (if present), a URL, or off."""
@@ -162,7 +124,7 @@ class LocalStack:
         self.otlp_endpoint = target.otlp_endpoint
         self.traces_dir = target.traces_dir
         if target.query_url:
-            self.extra["jaeger"] = target.query_url
+            self.jaeger = target.query_url
         if target.argv is not None:
             log = self.logs / f"{target.kind}.log"
             try:
@@ -170,7 +132,7 @@ class LocalStack:
             except StackError as exc:
                 raise StackError(f"trace backend: {exc}") from None
             if proc is not None:
-                self.children.append(Child("traces", list(proc.args), log, proc))
+                self.children.append(Child("traces", list(cast("list[str]", proc.args)), log, proc))
 
     def start_engines(self) -> None:
         """One `kvlab engine` process per pool; waits for every ready JSON."""
@@ -202,16 +164,12 @@ class LocalStack:
         g = self.topology.gateway
         ready = self.run_dir / "ready-gateway.json"
         ready.unlink(missing_ok=True)
-        argv = [*KVLAB, "gateway", "--host", HOST, "--port", str(self.gateway_port),
-                "--endpoints-file", str(self.run_dir / "endpoints.json"), "--policy", policy,
-                "--model", self.topology.model, "--scrape-interval-ms", str(g.scrape_interval_ms),
-                "--ready-file", str(ready)]
+        config = str(self._autoscale_policy()) if g.autoscale is not None else g.config
+        argv = [*KVLAB, *gateway_args(g, policy=policy, model=self.topology.model, host=HOST, port=self.gateway_port,
+                                      config=config, tokenizer=self.topology.tokenizer),
+                "--endpoints-file", str(self.run_dir / "endpoints.json"), "--ready-file", str(ready)]
         if g.autoscale is not None:   # watch the endpoints file the scaler rewrites
-            argv += ["--discovery", "file", "--config", str(self._autoscale_policy())]
-        elif g.config:
-            argv += ["--config", g.config]
-        if self.topology.tokenizer:
-            argv += ["--tokenizer", self.topology.tokenizer]
+            argv += ["--discovery", "file"]
         child = Child.start("gateway", argv, self.logs / f"gateway-{policy}.log", self._env("kvlab-gateway"))
         self.children.append(child)
         self.gateway = child
@@ -259,7 +217,8 @@ class LocalStack:
         except StackError as exc:
             raise StackError(f"prometheus: {exc}") from None
         if proc is not None:
-            self.children.append(Child("prometheus", list(proc.args), self.run_dir / "prometheus" / "prometheus.log", proc))
+            log = self.run_dir / "prometheus" / "prometheus.log"
+            self.children.append(Child("prometheus", list(cast("list[str]", proc.args)), log, proc))
             self.prometheus = f"http://{HOST}:{port}"
         self.write_state()
 
@@ -327,38 +286,31 @@ class LocalStack:
         configure_tracing("kvlab-stack", extra=self._span_export)
 
     # ---- operations ----------------------------------------------------------------------------------
-    def reset_caches(self) -> None:
-        """POST /reset_prefix_cache on every replica (each then publishes AllBlocksCleared)."""
-        for r in self.replicas:
-            req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=10) as resp:
-                    resp.read()
-            except OSError as exc:
-                raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
+    def gateway_for(self, policy: str, fresh: bool = True, entry: str | None = None) -> str:
+        """The stack's gateway routing with `policy`: restarted unless it already routes with it
+        and `fresh` is False (an autoscaling run keeps the gateway its scaler follows)."""
+        if fresh or self.gateway is None or self.policy != policy:
+            self.stop_gateway()
+            self.start_gateway(policy)
+        return self.gateway_url
 
-    def describe(self, status: str = "running") -> dict[str, Any]:
+    def reset_caches(self) -> dict[str, str | None]:
+        """POST /reset_prefix_cache on every replica (each then publishes AllBlocksCleared)."""
+        return reset_replicas(self.replicas)
+
+    def describe(self, status: str = "running") -> StackInfo:
         """The stack.json document (contract 3, plus `status`, `policy` and `model`)."""
-        return {
-            "id": self.run_dir.name,
-            "run_dir": str(self.run_dir),
-            "status": status,
-            "topology": msgspec.to_builtins(self.topology),
-            "model": self.topology.model,
-            "policy": self.policy,
-            "gateway": self.gateway_url,
-            "replicas": self.replicas,
-            "otlp_endpoint": self.otlp_endpoint,
-            "traces_dir": str(self.traces_dir) if self.traces_dir else None,
-            "prometheus": self.prometheus,
-            **self.extra,
-            "processes": [c.describe() for c in self.children]
-                         + [s.child.describe() for s in (self.scaler.added if self.scaler else [])],
-        }
+        return StackInfo(
+            id=self.run_dir.name, run_dir=str(self.run_dir), status=status,
+            topology=msgspec.to_builtins(self.topology), model=self.topology.model, policy=self.policy,
+            gateway=self.gateway_url, replicas=self.replicas, otlp_endpoint=self.otlp_endpoint,
+            traces_dir=str(self.traces_dir) if self.traces_dir else None, prometheus=self.prometheus,
+            jaeger=self.jaeger, supervisor=self.supervisor,
+            processes=[c.describe() for c in self.children]
+                      + [s.child.describe() for s in (self.scaler.added if self.scaler else [])])
 
     def write_state(self, status: str | None = None) -> None:
         """stack.json; status defaults to "starting" during start(), "running" after."""
         if self.run_dir.exists():
             with self._state_lock:
-                write_json(self.run_dir / "stack.json",
-                           self.describe(status or ("starting" if self._starting else "running")))
+                self.describe(status or ("starting" if self._starting else "running")).write()

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     stack = LocalStack(load_topology(args.topology), args.run_dir)
     cmdline = [c.decode() for c in Path("/proc/self/cmdline").read_bytes().split(b"\0") if c]
-    stack.extra["supervisor"] = {"pid": os.getpid(), "argv": cmdline}
+    stack.supervisor = {"pid": os.getpid(), "argv": cmdline}
     try:
         stack.start()
         print(f"stack running: gateway {stack.gateway_url}", flush=True)

@@ -9,9 +9,9 @@ import importlib
 from typing import Any
 
 from kvlab.errors import ConfigError
-from kvlab.load.workloads.base import Request, Workload
+from kvlab.load.workloads.base import Workload, WorkloadRequest
 
-__all__ = ["NAMES", "Request", "Workload", "create", "workload_class"]
+__all__ = ["NAMES", "Workload", "WorkloadRequest", "create", "workload_class"]
 
 # workload name -> module that defines it (class attribute `name` must match)
 _MODULES = {
@@ -27,7 +27,7 @@ _MODULES = {
 NAMES = tuple(_MODULES)
 
 
-def workload_class(name: str) -> type[Workload]:
+def workload_class(name: str) -> type[Workload[Any]]:
     """The Workload subclass registered under `name`."""
     if name not in _MODULES:
         raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(NAMES)}")
@@ -36,6 +36,6 @@ def workload_class(name: str) -> type[Workload]:
                 if isinstance(obj, type) and issubclass(obj, Workload) and getattr(obj, "name", None) == name)
 
 
-def create(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Workload:
+def create(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Workload[Any]:
     """A workload by name, its parameters validated (unknown keys are errors)."""
     return workload_class(name)(seed=seed, params=params)

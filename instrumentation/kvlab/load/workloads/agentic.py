@@ -15,10 +15,10 @@ import itertools
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class AgenticParams(Params):
+class AgenticParams(Params, frozen=True):
     agents: int = 4
     system_tokens: int = 600
     tool_tokens: int = 500
@@ -30,7 +30,7 @@ class AgenticParams(Params):
     output_tokens: int = 32
 
 
-class Agentic(Workload):
+class Agentic(Workload[AgenticParams]):
     name = "agentic"
     Params = AgenticParams
 
@@ -42,27 +42,28 @@ class Agentic(Workload):
     def _tools(self) -> list[str]:
         return [text(self.rng("tools", a), self.params.tool_tokens) for a in range(self.params.agents)]
 
-    def session(self, i: int) -> list[Request]:
+    def session(self, i: int) -> list[WorkloadRequest]:
         p = self.params
         rng = self.rng("session", i)
         agent = rng.randrange(p.agents)
         system = f"{self._system}\n\nTools:\n{self._tools[agent]}"
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": "Task: " + text(rng, p.task_tokens) + "."}]
-        out: list[Request] = []
+        out: list[WorkloadRequest] = []
 
         def step() -> list[dict[str, str]]:
             return [{"role": "assistant", "content": "Action: " + text(rng, p.step_tokens) + "."},
                     {"role": "user", "content": "Observation: " + text(rng, p.observation_tokens) + "."}]
 
         for k in range(p.steps):
-            out.append(Request(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out)))
-            if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: the next step goes without it
-                out.append(Request(messages=[*messages, *step()], max_tokens=p.output_tokens,
+            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}",
+                                       turn=len(out)))
+            if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: next step without it
+                out.append(WorkloadRequest(messages=[*messages, *step()], max_tokens=p.output_tokens,
                                    group=f"agent{agent}", turn=len(out)))
             messages = [*messages, *step()]
         return out
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         for i in itertools.count():
             yield self.session(i)

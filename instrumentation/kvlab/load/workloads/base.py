@@ -14,7 +14,7 @@ import itertools
 import random
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import msgspec
 
@@ -22,7 +22,7 @@ from kvlab.config import Strict, convert
 from kvlab.tokenizer import Tokenizer, words
 
 
-class Request(msgspec.Struct, kw_only=True, frozen=True):
+class WorkloadRequest(msgspec.Struct, kw_only=True, frozen=True):
     """One chat completion to send; `group` names the reuse unit (prefix group, session, document)."""
 
     messages: list[dict[str, str]]
@@ -32,7 +32,7 @@ class Request(msgspec.Struct, kw_only=True, frozen=True):
     headers: dict[str, str] = {}          # extra request headers (a priority class, a tenant)
 
 
-class Params(Strict):
+class Params(Strict, frozen=True):
     """Base of each workload's parameters."""
 
     output_tokens: int = 32
@@ -63,25 +63,31 @@ def text(rng: random.Random, n_tokens: int) -> str:
     return " ".join(chosen)
 
 
-class Workload(abc.ABC):
-    """Base class: subclasses set `name`, `Params` and implement `sessions`."""
+WorkloadParams = Params   # the name inside Workload's body, where `Params` is the class attribute
+P = TypeVar("P", bound=Params)
+
+
+class Workload(abc.ABC, Generic[P]):
+    """Base class: subclasses set `name`, `Params` (the class `P`) and implement `sessions`."""
 
     name: ClassVar[str]
-    Params: ClassVar[type[Params]] = Params
+    Params: ClassVar[type[WorkloadParams]] = WorkloadParams
 
-    def __init__(self, seed: int = 0, params: dict[str, Any] | Params | None = None) -> None:
+    def __init__(self, seed: int = 0, params: dict[str, Any] | WorkloadParams | None = None) -> None:
         self.seed = seed
-        self.params = params if isinstance(params, Params) else convert(params or {}, self.Params, f"workload {self.name}")
+        given = params if isinstance(params, WorkloadParams) \
+            else convert(params or {}, self.Params, f"workload {self.name}")
+        self.params: P = cast(P, given)
 
     def rng(self, *key: object) -> random.Random:
         """A random generator determined by the seed, the workload and `key` (string seeding is stable)."""
         return random.Random(":".join(map(str, (self.seed, self.name, *key))))
 
     @abc.abstractmethod
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         """The endless, deterministic stream of sessions."""
 
-    def requests(self, n: int) -> list[Request]:
+    def requests(self, n: int) -> list[WorkloadRequest]:
         """The first `n` requests in stream order (sessions flattened); for tests and previews."""
         flat = (r for s in self.sessions() for r in s)
         return list(itertools.islice(flat, n))

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 from kvlab.telemetry import names
 
 LONG_HEADERS = {names.HEADER_PRIORITY: "low", names.HEADER_TENANT: "batch"}
 SHORT_HEADERS = {names.HEADER_PRIORITY: "high", names.HEADER_TENANT: "interactive"}
 
 
-class ChunkedMixParams(Params):
+class ChunkedMixParams(Params, frozen=True):
     long_fraction: float = 0.3
     long_prompt_tokens: int = 256
     long_output_tokens: int = 384
@@ -30,32 +30,27 @@ class ChunkedMixParams(Params):
     output_tokens: int = 16               # the interactive answers
 
 
-class ChunkedMix(Workload):
+class ChunkedMix(Workload[ChunkedMixParams]):
     name = "chunked-mix"
     Params = ChunkedMixParams
 
     @cached_property
-    def _p(self) -> ChunkedMixParams:
-        assert isinstance(self.params, ChunkedMixParams)
-        return self.params
-
-    @cached_property
     def _systems(self) -> list[str]:
-        return [text(self.rng("system", g), self._p.system_tokens) for g in range(self._p.groups)]
+        return [text(self.rng("system", g), self.params.system_tokens) for g in range(self.params.groups)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         rng = self.rng("order")
-        p = self._p
+        p = self.params
         n = 0
         while True:
             n += 1
             if rng.random() < p.long_fraction:
                 prompt = text(self.rng("long", n), p.long_prompt_tokens)
-                yield [Request(messages=[{"role": "user", "content": prompt}], max_tokens=p.long_output_tokens,
+                yield [WorkloadRequest(messages=[{"role": "user", "content": prompt}], max_tokens=p.long_output_tokens,
                                group="long", headers=LONG_HEADERS)]
             else:
                 g = rng.randrange(p.groups)
                 question = text(self.rng("question", n), p.question_tokens) + "?"
-                yield [Request(messages=[{"role": "system", "content": self._systems[g]},
+                yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
                                          {"role": "user", "content": question}],
                                max_tokens=p.output_tokens, group=f"short-{g}", headers=SHORT_HEADERS)]

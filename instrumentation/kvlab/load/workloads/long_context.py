@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class LongContextParams(Params):
+class LongContextParams(Params, frozen=True):
     contexts: int = 6
     context_tokens: int = 3600     # cpu-tiny's max_model_len is 4096
     question_tokens: int = 48
@@ -25,7 +25,7 @@ class LongContextParams(Params):
     output_tokens: int = 32
 
 
-class LongContext(Workload):
+class LongContext(Workload[LongContextParams]):
     name = "long-context"
     Params = LongContextParams
 
@@ -33,7 +33,7 @@ class LongContext(Workload):
     def _contexts(self) -> list[str]:
         return [text(self.rng("context", c), self.params.context_tokens) for c in range(self.params.contexts)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         p = self.params
         rng = self.rng("order")
         weights = [1 / (c + 1) for c in range(p.contexts)]
@@ -44,5 +44,5 @@ class LongContext(Workload):
             else:
                 c = rng.choices(range(p.contexts), weights)[0]
                 context, group = self._contexts[c], f"c{c}"
-            yield [Request(messages=[{"role": "user", "content": f"{context}\n\nQuestion: {question}"}],
+            yield [WorkloadRequest(messages=[{"role": "user", "content": f"{context}\n\nQuestion: {question}"}],
                            max_tokens=p.output_tokens, group=group)]

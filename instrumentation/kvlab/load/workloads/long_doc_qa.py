@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class LongDocQaParams(Params):
+class LongDocQaParams(Params, frozen=True):
     documents: int = 8
     document_tokens: int = 3000
     questions_per_document: int = 20
@@ -20,7 +20,7 @@ class LongDocQaParams(Params):
     output_tokens: int = 32
 
 
-class LongDocQa(Workload):
+class LongDocQa(Workload[LongDocQaParams]):
     name = "long-doc-qa"
     Params = LongDocQaParams
 
@@ -28,7 +28,7 @@ class LongDocQa(Workload):
     def _documents(self) -> list[str]:
         return [text(self.rng("document", d), self.params.document_tokens) for d in range(self.params.documents)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         p = self.params
         rng = self.rng("order")
         while True:
@@ -36,4 +36,5 @@ class LongDocQa(Workload):
             q = rng.randrange(p.questions_per_document)
             question = text(self.rng("question", d, q), p.question_tokens) + "?"
             content = f"Document:\n{self._documents[d]}\n\nQuestion: {question}"
-            yield [Request(messages=[{"role": "user", "content": content}], max_tokens=p.output_tokens, group=f"d{d}")]
+            yield [WorkloadRequest(messages=[{"role": "user", "content": content}], max_tokens=p.output_tokens,
+                                   group=f"d{d}")]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class MultiTurnParams(Params):
+class MultiTurnParams(Params, frozen=True):
     turns: int = 6
     system_tokens: int = 200
     user_tokens: int = 120
@@ -22,21 +22,21 @@ class MultiTurnParams(Params):
     output_tokens: int = 32
 
 
-class MultiTurn(Workload):
+class MultiTurn(Workload[MultiTurnParams]):
     name = "multi-turn"
     Params = MultiTurnParams
 
-    def session(self, i: int) -> list[Request]:
+    def session(self, i: int) -> list[WorkloadRequest]:
         p = self.params
         rng = self.rng("session", i)
         messages = [{"role": "system", "content": text(rng, p.system_tokens)}]
         out = []
         for turn in range(p.turns):
             messages = [*messages, {"role": "user", "content": text(rng, p.user_tokens) + "?"}]
-            out.append(Request(messages=messages, max_tokens=p.output_tokens, group=f"s{i}", turn=turn))
+            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"s{i}", turn=turn))
             messages = [*messages, {"role": "assistant", "content": text(rng, p.answer_tokens) + "."}]
         return out
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         for i in itertools.count():
             yield self.session(i)

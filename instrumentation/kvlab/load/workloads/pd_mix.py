@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class PdMixParams(Params):
+class PdMixParams(Params, frozen=True):
     long_fraction: float = 0.3
     long_tokens: int = 1500
     groups: int = 4
@@ -24,7 +24,7 @@ class PdMixParams(Params):
     output_tokens: int = 64
 
 
-class PdMix(Workload):
+class PdMix(Workload[PdMixParams]):
     name = "pd-mix"
     Params = PdMixParams
 
@@ -32,7 +32,7 @@ class PdMix(Workload):
     def _systems(self) -> list[str]:
         return [text(self.rng("system", g), self.params.system_tokens) for g in range(self.params.groups)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         rng = self.rng("order")
         p = self.params
         n = 0
@@ -41,10 +41,10 @@ class PdMix(Workload):
             question = text(self.rng("question", n), p.question_tokens) + "?"
             if rng.random() < p.long_fraction:
                 doc = text(self.rng("long", n), p.long_tokens)
-                yield [Request(messages=[{"role": "user", "content": f"{doc}\n\n{question}"}],
+                yield [WorkloadRequest(messages=[{"role": "user", "content": f"{doc}\n\n{question}"}],
                                max_tokens=p.output_tokens, group="long")]
             else:
                 g = rng.randrange(p.groups)
-                yield [Request(messages=[{"role": "system", "content": self._systems[g]},
+                yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
                                          {"role": "user", "content": question}],
                                max_tokens=p.output_tokens, group=f"g{g}")]

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import cached_property
 
-from kvlab.load.workloads.base import Params, Request, Workload, text
+from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
 
-class SharedPrefixParams(Params):
+class SharedPrefixParams(Params, frozen=True):
     groups: int = 32
     prompts_per_group: int = 16
     system_tokens: int = 1800
@@ -22,7 +22,7 @@ class SharedPrefixParams(Params):
     output_tokens: int = 32
 
 
-class SharedPrefix(Workload):
+class SharedPrefix(Workload[SharedPrefixParams]):
     name = "shared-prefix"
     Params = SharedPrefixParams
 
@@ -36,12 +36,12 @@ class SharedPrefix(Workload):
         return [[text(self.rng("question", g, q), p.question_tokens) + "?" for q in range(p.prompts_per_group)]
                 for g in range(p.groups)]
 
-    def sessions(self) -> Iterator[list[Request]]:
+    def sessions(self) -> Iterator[list[WorkloadRequest]]:
         rng = self.rng("order")
         p = self.params
         while True:
             g = rng.randrange(p.groups)
             q = rng.randrange(p.prompts_per_group)
-            yield [Request(messages=[{"role": "system", "content": self._systems[g]},
+            yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
                                      {"role": "user", "content": self._questions[g][q]}],
                            max_tokens=p.output_tokens, group=f"g{g}")]

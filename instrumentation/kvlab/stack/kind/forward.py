@@ -28,6 +28,7 @@ SERVICES = {
     "gateway-api": ("kvlab-epp", LISTEN_PORT, "/v1"),           # Envoy + kvlab epp (docs/gateway-api.md)
     "llm-d": ("kvlab-llm-d", LISTEN_PORT, "/v1"),               # Envoy + llm-d's scheduler
     "jaeger": ("kvlab-jaeger", 16686, "/"),
+    "otlp": ("kvlab-jaeger", 4318, "/"),          # OTLP/HTTP into the in-cluster Jaeger (client spans)
     "prometheus": ("kvlab-prometheus", 9090, "/"),
     "grafana": ("kvlab-grafana", 3000, "/"),
 }

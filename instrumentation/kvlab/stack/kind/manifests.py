@@ -32,6 +32,7 @@ from kvlab import __version__
 from kvlab.dashboards import rules
 from kvlab.errors import ConfigError
 from kvlab.stack.kind import gpu, versions
+from kvlab.stack.launch import gateway_args, otel_env, sim_args
 from kvlab.topology import Pool, Topology
 
 Manifest = dict[str, Any]
@@ -172,15 +173,12 @@ def _otel_env(topology: Topology, service: str, ns: str) -> list[dict]:
     endpoint = otlp_endpoint(topology, ns)
     if endpoint is None:
         return [{"name": "OTEL_TRACES_EXPORTER", "value": "none"}]
-    return [
-        {"name": "OTEL_SERVICE_NAME", "value": service},
-        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": endpoint},
-        {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
-        {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"},   # vLLM reads this one
-        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
-        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(topology.observability.sample_ratio)},
-        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"},
-    ]
+    env = otel_env(service, endpoint, topology.observability.sample_ratio) | {
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",   # vLLM reads this one
+        "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)",
+    }
+    return [{"name": k, "value": v} for k, v in env.items()]
 
 
 def otlp_endpoint(topology: Topology, ns: str) -> str | None:
@@ -208,14 +206,9 @@ def namespace(cluster: Cluster) -> Manifest:
 
 
 def _sim_container(topology: Topology, pool: Pool, cluster: Cluster) -> dict:
-    s = topology.sim
     args = ["engine", "sim", "--replicas", "1", "--host", "0.0.0.0", "--ports", str(API_PORT),
             "--kv-events-ports", str(KV_EVENTS_PORT), "--name", "$(POD_NAME)", "--model", topology.model,
-            "--profile", s.profile, "--time-scale", str(s.time_scale), "--block-size", str(s.block_size),
-            "--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--max-model-len", str(s.max_model_len), "--seed", str(s.seed)]
-    if s.num_blocks is not None:
-        args += ["--num-blocks", str(s.num_blocks)]
+            *sim_args(topology.sim)]
     if pool.data_parallel_size > 1:
         args += ["--data-parallel-size", str(pool.data_parallel_size)]
     return {
@@ -395,8 +388,7 @@ def gateway(topology: Topology, cluster: Cluster) -> list[Manifest]:
                "subjects": [{"kind": "ServiceAccount", "name": "kvlab-gateway", "namespace": ns}]}
     config_map = _gateway_config_map(topology, cluster)
     g = topology.gateway
-    args = ["gateway", "--host", "0.0.0.0", "--port", str(API_PORT), "--policy", g.policy,
-            "--model", topology.model, "--scrape-interval-ms", str(g.scrape_interval_ms),
+    args = [*gateway_args(g, policy=g.policy, model=topology.model, host="0.0.0.0", port=API_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)", "--selector", REPLICA_SELECTOR,
             "--replica-port", str(API_PORT), "--replica-kv-events-port", str(KV_EVENTS_PORT)]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]

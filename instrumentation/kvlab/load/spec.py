@@ -1,0 +1,29 @@
+"""What one load test is: the bench spec every caller of the load generator fills once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvlab.config import Strict
+from kvlab.load.ramp import Ramp
+
+
+class BenchSpec(Strict, frozen=True):
+    """One Locust run: which seeded workload, how many users for how long, against which model.
+
+    With `ramp`, the ramp decides the users over time and the duration. With `min_requests`, a
+    phase runs until `duration_s` has passed *and* that many requests completed, for at most
+    `limit_s` (default 4 × `duration_s`)."""
+
+    workload: str = "shared-prefix"
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+    users: int = 16
+    spawn_rate: float | None = None     # users started per second (None: all at once)
+    duration_s: float = 30.0
+    seed: int = 0
+    model: str = "kvlab-tiny"
+    ramp: Ramp | None = None
+    min_requests: int = 0
+    limit_s: float | None = None

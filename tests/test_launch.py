@@ -1,0 +1,64 @@
+"""One renderer for kvlab's children (kvlab.stack.launch): a simulator or gateway setting reaches the
+local stack, the notebooks' gateways and the kind manifests alike; the stack.json seam is typed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from kvlab.stack.base import StackInfo, read_info
+from kvlab.stack.kind.manifests import Cluster, gateway, replica_deployment
+from kvlab.stack.launch import child_env, engine_argv, otel_env, sim_args
+from kvlab.topology import GatewaySettings, SimSettings, Topology
+
+
+def _flags(argv: list[str], names: list[str]) -> dict[str, str]:
+    return {n: argv[argv.index(n) + 1] for n in names if n in argv}
+
+
+def _topology() -> Topology:
+    sim = SimSettings(profile="cpu-tiny", time_scale=0.5, block_size=32, num_blocks=77, max_num_seqs=9, seed=3)
+    return msgspec.convert({"name": "t", "pools": [{"name": "replicas", "replicas": 2}], "sim": msgspec.to_builtins(sim),
+                            "gateway": msgspec.to_builtins(GatewaySettings(policy="kv-aware", scrape_interval_ms=333))},
+                           Topology)
+
+
+def test_local_and_kind_engines_get_the_same_simulator_flags():
+    t = _topology()
+    local = engine_argv(t, t.pools[0], "sim", Path("/r.json"), Path("/logs"))
+    pod = replica_deployment(t, t.pools[0], Cluster())["spec"]["template"]["spec"]["containers"][0]["args"]
+    names = [a for a in sim_args(t.sim) if a.startswith("--")]
+    assert _flags(local, names) == _flags(pod, names) == {
+        "--profile": "cpu-tiny", "--time-scale": "0.5", "--block-size": "32", "--max-num-seqs": "9",
+        "--max-num-batched-tokens": "2048", "--max-model-len": "8192", "--seed": "3", "--num-blocks": "77"}
+
+
+def test_kind_gateway_and_pods_use_the_shared_gateway_flags_and_otel_env():
+    t = _topology()
+    manifests = gateway(t, Cluster())
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert _flags(container["args"], ["--policy", "--scrape-interval-ms"]) == {"--policy": "kv-aware",
+                                                                             "--scrape-interval-ms": "333"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    for key, value in otel_env("kvlab-gateway", env["OTEL_EXPORTER_OTLP_ENDPOINT"]).items():
+        assert env[key] == value
+
+
+def test_child_env_drops_the_shells_exporter_and_exports_to_the_stack_or_nowhere():
+    base = {"PATH": "/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://users-own:4318", "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    on = child_env("kvlab-gateway", "http://stack:4318", 0.25, base=base)
+    assert on["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://stack:4318" and on["OTEL_BSP_SCHEDULE_DELAY"] == "50"
+    assert on["OTEL_TRACES_SAMPLER_ARG"] == "0.25" and on["PATH"] == "/bin"
+    off = child_env("kvlab-gateway", None, base=base)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in off and off["OTEL_TRACES_EXPORTER"] == "none"
+
+
+def test_stack_info_round_trips_through_stack_json(tmp_path):
+    info = StackInfo(id="x", run_dir=str(tmp_path), target="kind-cpu", topology={"name": "quickstart"},
+                     gateway="http://127.0.0.1:30081", baseline="http://127.0.0.1:30080", context="kind-kvlab")
+    info.write()
+    assert read_info(tmp_path) == info
+    (tmp_path / "stack.json").write_text("{not json")
+    assert read_info(tmp_path) is None
