@@ -133,6 +133,9 @@ HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached pref
 HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
+# request headers (experimental, docs/semantic-kv.md)
+HEADER_RETENTION = "x-kvlab-retention"          # JSON retention directives, as the body's retention_directives
+HEADER_KV_HINT = "x-kvlab-kv-hint"              # a client's hint to the gateway: branch (its new tail evicts first)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -149,6 +152,13 @@ VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"                 # counter
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"         # counter
 VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
 VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
+# the simulator's typed retention (experimental, docs/semantic-kv.md), label retention_class
+KVLAB_SIM_KV_BLOCKS = "kvlab:kv_cache_blocks"                       # gauge {retention_class}: cached blocks
+KVLAB_SIM_PINNED_USAGE = "kvlab:kv_cache_pinned_perc"               # gauge: pinned blocks / all blocks
+KVLAB_SIM_EVICTIONS = "kvlab:kv_cache_evictions"                    # counter {retention_class}
+KVLAB_SIM_PINS_REFUSED = "kvlab:kv_cache_pins_refused"              # counter: pins over the bound (kept as high)
+KVLAB_SIM_BLOCK_QUERIES = "kvlab:prefix_cache_block_queries"        # counter {retention_class}: prompt blocks looked up
+KVLAB_SIM_BLOCK_HITS = "kvlab:prefix_cache_block_hits"              # counter {retention_class}: of which cached
 
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}

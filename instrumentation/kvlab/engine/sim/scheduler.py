@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
+from kvlab.engine.sim.retention import RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -38,6 +39,7 @@ class Request:
         "num_tokens",
         "output",
         "prompt",
+        "retention",
         "scheduled",
         "status",
         "stop",
@@ -51,8 +53,10 @@ class Request:
     )
 
     def __init__(self, request_id: str, prompt: list[int], output: list[int], keys: list[int],
-                 stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+                 stop: Sequence[str] = (), min_tokens: int = 0,
+                 retention: list[RetentionDirective] | None = None) -> None:
         self.id = request_id
+        self.retention = retention        # retention directives (retention.py), None: untyped
         self.prompt = prompt
         self.output = output              # the ids it will emit, drawn in advance (deterministic)
         self.max_tokens = len(output)
@@ -180,6 +184,8 @@ class Scheduler:
             req.num_computed = computed
             if req.num_cached is None:
                 req.num_cached = computed
+                if pool.typed is not None:
+                    self._count_typed_hits(req, len(hits), cap)
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += computed
                 batch.admitted.append(req)
@@ -188,6 +194,22 @@ class Scheduler:
             self._add_to_batch(batch, req, n)
             budget -= n
         return batch
+
+    def _count_typed_hits(self, req: Request, n_hits: int, cap: int) -> None:
+        """Per-class block lookups and hits of a prompt; hits take the request's classes."""
+        typed = self.pool.typed
+        assert typed is not None
+        classes = self._classes(req, 0, cap)
+        for i, cls in enumerate(classes):
+            typed.stats.queries[cls] += 1
+            if i < n_hits:
+                typed.stats.hits[cls] += 1
+        if req.retention is not None:
+            self.pool.classify(req.blocks[:n_hits], classes)
+
+    def _classes(self, req: Request, start: int, end: int) -> list[int]:
+        directives = req.retention or []
+        return block_classes(directives, end, self.block_size)[start:]
 
     def _add_to_batch(self, batch: Batch, req: Request, n: int) -> None:
         req.scheduled = n
@@ -248,8 +270,9 @@ class Scheduler:
         while start < end and req.blocks[start].key == keys[start]:
             start += 1
         if start < end:
+            classes = self._classes(req, start, end) if self.pool.typed is not None else None
             self.pool.cache(req.blocks[start:end], keys[start:end], keys[start - 1] if start else None,
-                            req.tokens(start * bs, end * bs))
+                            req.tokens(start * bs, end * bs), classes)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a running request now (length, stop): frees its blocks."""
