@@ -46,6 +46,7 @@ class SimSettings(Strict):
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     seed: int = 0
+    typed_retention: float | None = None  # honour retention directives, pinned share bound (docs/semantic-kv.md)
 
 
 class VllmSettings(Strict):

@@ -78,7 +78,7 @@ class ChatUser(User):
         attrs = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name}
         with tracer.start_as_current_span(names.SPAN_CLIENT_REQUEST, kind=SpanKind.CLIENT, attributes=attrs) as span:
-            headers: dict[str, str] = {}
+            headers: dict[str, str] = {names.HEADER_KV_HINT: req.hint} if req.hint else {}
             propagate.inject(headers)
             ctx = span.get_span_context()
             if ctx.is_valid:

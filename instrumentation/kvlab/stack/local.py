@@ -55,6 +55,8 @@ def engine_argv(topology: Topology, pool: Pool, name: str, ready_file: Path, log
                  "--max-model-len", str(s.max_model_len), "--seed", str(s.seed)]
         if s.num_blocks is not None:
             argv += ["--num-blocks", str(s.num_blocks)]
+        if s.typed_retention is not None:
+            argv += ["--typed-retention", str(s.typed_retention)]
     else:
         v = topology.vllm
         argv += ["--block-size", str(v.block_size), "--max-model-len", str(v.max_model_len),

@@ -29,6 +29,7 @@ class Request(msgspec.Struct, kw_only=True, frozen=True):
     max_tokens: int
     group: str
     turn: int = 0
+    hint: str | None = None   # a client hint to the gateway (x-kvlab-kv-hint, docs/semantic-kv.md)
 
 
 class Params(Strict):
