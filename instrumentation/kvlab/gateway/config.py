@@ -16,9 +16,10 @@ import msgspec
 from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
+from kvlab.gateway.retention import RetentionSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
-           "kv-aware-unified")
+           "kv-aware-unified", "kv-aware-typed", "kv-aware-pin-all")
 
 
 class Weights(Strict):
@@ -102,6 +103,7 @@ class PolicyConfig(Strict):
     endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
     pd: PDSettings = PDSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
+    retention: RetentionSettings = RetentionSettings()   # typed retention directives (docs/semantic-kv.md)
 
 
 def preset_path(name: str) -> Path:

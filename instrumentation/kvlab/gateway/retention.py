@@ -26,10 +26,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Protocol
 
+import msgspec
+
 from kvlab.config import Strict
 
 
-class RetentionSettings(Strict):
+class RetentionSettings(Strict, frozen=True):
     """A policy's `retention:` section (docs/gateway.md, docs/semantic-kv.md)."""
 
     mode: Literal["off", "typed", "greedy"] = "off"
@@ -52,7 +54,7 @@ def _common(a: list[int], b: list[int]) -> int:
     return i
 
 
-class Directive(Strict):
+class Directive(msgspec.Struct, frozen=True, kw_only=True):
     start: int
     end: int | None
     priority: int

@@ -27,6 +27,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from kvlab import httpedge
 from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway import dp as dp_view
+from kvlab.gateway import retention
 from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, Endpoint
@@ -349,7 +350,8 @@ class Gateway:
                 if limit is not None and len(tokens) > limit:
                     raise RequestError(f"prompt of {len(tokens)} tokens exceeds the gateway limit of {limit}", "prompt")
                 span.set_attribute(names.PROMPT_TOKENS, len(tokens))
-                routed = self._schedule(tokens)
+                upstream, typed = await self._retention(request, payload, tokens, operation)
+                routed = self._schedule(tokens, typed)
             except RequestError as err:
                 span.set_status(Status(StatusCode.ERROR, err.message))
                 span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, err.status)
@@ -373,9 +375,26 @@ class Gateway:
             path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
             call = await self.pd.run(path, payload, tokens, routed, span, headers)
             body = msgspec.json.encode(payload)
-            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call)
+            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call,
+                                       upstream)
 
-    def _schedule(self, tokens: list[int]) -> Routed:
+    async def _retention(self, request: web.Request, payload: dict[str, Any], tokens: list[int],
+                         operation: str) -> tuple[dict[str, str], str | None]:
+        """Upstream headers with the request's retention directives (gateway/retention.py) and the
+        typed prefix for the decision span: the client's own header passed through, else derived
+        from a chat request's roles by the policy. A client's body field is left to the replica."""
+        own = request.headers.get(names.HEADER_RETENTION)
+        if own is not None:
+            return {names.HEADER_RETENTION: own}, own
+        if operation != "chat" or self.cfg.retention.mode == "off" or "retention_directives" in payload:
+            return {}, None
+        found = await retention.derive(self.cfg.retention, payload, tokens, request.headers.get(names.HEADER_KV_HINT),
+                                       self.tokenizer, chat_args(payload))
+        if not found:
+            return {}, None
+        return {names.HEADER_RETENTION: retention.header(found)}, retention.span_value(found)
+
+    def _schedule(self, tokens: list[int], typed: str | None = None) -> Routed:
         with self.tracer.start_as_current_span(names.SPAN_SCHEDULE) as s:
             routed = self.router.route(tokens)
             d = routed.decision
@@ -406,11 +425,23 @@ class Gateway:
                 s.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
                 s.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
                 s.set_attribute(names.PROMPT_TOKENS, len(tokens))
+                if typed is not None:
+                    s.set_attribute(names.RETENTION_DIRECTIVES, typed)
+                    self._annotate_typed(s, routed)
         return routed
+
+    def _annotate_typed(self, s: trace.Span, routed: Routed) -> None:
+        """The decision span's typed prefix: the directives sent and, from the index, the retention
+        classes of the prefix the chosen replica holds."""
+        chosen = routed.decision.chosen
+        keys = routed.keys_by_size.get(self.router.block_size(chosen.replica), [])
+        s.set_attribute(names.RETENTION_PREFIX_CLASSES,
+                        json.dumps(self.router.precise.prefix_classes(chosen.name, keys)))
 
     async def _forward(self, request: web.Request, span: trace.Span, routed: Routed, body: bytes,
                        stream: bool, client_usage: bool, headers: dict[str, str],
-                       t_start: float, call: str = names.SPAN_UPSTREAM) -> web.StreamResponse:
+                       t_start: float, call: str = names.SPAN_UPSTREAM,
+                       upstream: dict[str, str] | None = None) -> web.StreamResponse:
         assert self.session is not None
         d = routed.decision
         tries = d.ranked[: 1 + self.cfg.limits.max_retries]
@@ -432,6 +463,7 @@ class Gateway:
                 up.set_attribute(names.ENDPOINT, r.url)
                 up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
                 out_headers = {"Content-Type": "application/json"}
+                out_headers.update(upstream or {})   # retention directives (docs/semantic-kv.md)
                 propagate.inject(out_headers)
                 path = "/v1/chat/completions" if request.path.endswith("chat/completions") else "/v1/completions"
                 r.inflight += 1
