@@ -23,6 +23,8 @@
 #    chat request (system → pinned, tools → high, generated tokens and abandoned branches →
 #    evict-first) and compare recomputed tokens, hit rate per block type, TTFT by turn position.
 # 3. See what pinning costs when it is too greedy, and why the pinned share is bounded.
+# 4. Judge the result honestly: on this workload LRU already keeps shared context hot, the gain
+#    is small and the gateway pays for deriving directives (docs/semantic-kv.md, "Limits").
 #
 # Retention directives are **experimental**: shaped after vLLM's proposal (RFC
 # vllm-project/vllm#37003), honoured only by kvlab's simulator (`--typed-retention`). See
@@ -64,8 +66,12 @@ print(f"{len(stack['replicas'])} replicas, {topology.sim.num_blocks} blocks of {
 # | policy | system prompt | tool set | scratchpad | generated tokens, abandoned branch |
 # |---|---|---|---|---|
 # | `kv-aware` | – (normal) | – | – | – (plain LRU) |
-# | `kv-aware-typed` | pinned (100) | high (80) | normal (50) | evict-first (10) |
+# | `kv-aware-typed` | pinned (100) | normal (50)¹ | normal (50) | evict-first (10) |
 # | `kv-aware-pin-all` | pinned | pinned | pinned | evict-first |
+#
+# ¹ The gateway's derivation gives tool sets `high` (80) by default; the preset keeps them `normal`
+# because `high` keeps the tool sets of idle agents and, with more than ~2 agents per cache, costs
+# more than it saves (measured: docs/semantic-kv.md, "Limits").
 #
 # The replicas fold priorities into four classes and evict evict-first < normal < high < pinned,
 # LRU within a class. Pinned blocks are bounded to a share of the cache: a pin beyond it is kept
@@ -173,14 +179,17 @@ fig.show()
 
 # %%
 lru, typed = stats["kv-aware"], stats["kv-aware-typed"]
+t = by_class["kv-aware-typed"]
 assert all(v["summary"]["ok"] >= 10 for v in phases.values()), "too few requests completed in a phase"
-assert by_class["kv-aware-typed"]["queries"]["pinned"] > 0, "no pinned blocks: is typed retention on (sim.typed_retention)?"
+assert t["queries"]["pinned"] > 0, "no pinned blocks: is typed retention on (sim.typed_retention)?"
 assert by_class["kv-aware"]["queries"]["pinned"] == 0, "kv-aware sent directives: it must not"
-pinned_hit = by_class["kv-aware-typed"]["hits"]["pinned"] / by_class["kv-aware-typed"]["queries"]["pinned"]
+pinned_hit = t["hits"]["pinned"] / t["queries"]["pinned"]
 assert pinned_hit > 0.8, f"pinned system-prompt blocks hit only {pinned_hit:.0%}"
-assert typed[0] / typed[1] < lru[0] / lru[1], "typed retention did not recompute fewer tokens per request"
-print(f"✓ typed retention recomputed {typed[0] / typed[1]:.0f} tokens per request vs {lru[0] / lru[1]:.0f} with LRU; "
-      f"pinned blocks hit {pinned_hit:.0%}")
+assert t["evictions"]["evict-first"] > 0, "no evict-first block was evicted: was the cache under pressure?"
+# the direction of recomputed tokens is not asserted: on a busy 2-core machine the live phases
+# differ in request mix (docs/semantic-kv.md, "Measured"); the offline benchmark is deterministic
+print(f"✓ directives honoured: pinned blocks hit {pinned_hit:.0%}, {t['evictions']['evict-first']:.0f} evict-first "
+      f"evictions; recomputed per request {typed[0] / typed[1]:.0f} typed vs {lru[0] / lru[1]:.0f} LRU")
 
 # %% [markdown]
 # ## Troubleshooting
@@ -188,5 +197,5 @@ print(f"✓ typed retention recomputed {typed[0] / typed[1]:.0f} tokens per requ
 # |---|---|
 # | `no pinned blocks` | the replicas run without `--typed-retention`: use the `agentic` topology (its `sim.typed_retention`), or `kvlab up --topology agentic`. |
 # | HTTP 400 `retention_directives` | a client sent a malformed directive (ranges overlap, priority outside 0-100): the error names the field. |
-# | typed no better than LRU | the cache holds the whole working set (nothing is evicted): lower `sim.num_blocks` or raise `USERS`. |
+# | typed no better than LRU | see docs/semantic-kv.md, "Limits": the gain comes from evict-first blocks and is a few percent; a cache holding the whole working set shows none (lower `sim.num_blocks` or raise `USERS`); `benchmarks/typed_retention.py` measures it without timing noise. |
 # | very few requests per phase | the machine is busy: raise `DURATION_S`. |
