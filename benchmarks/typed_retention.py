@@ -29,8 +29,8 @@ from kvlab.topology import builtin, load_topology
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "LRU (kv-aware)": {"mode": "off"},
-    "typed (kv-aware-typed)": {"mode": "typed"},
-    "typed, tools normal": {"mode": "typed", "tools": 50},
+    "typed, tools high (default)": {"mode": "typed"},
+    "typed, tools normal (kv-aware-typed)": {"mode": "typed", "tools": 50},
     "pin-all (kv-aware-pin-all)": {"mode": "greedy"},
 }
 
