@@ -181,3 +181,20 @@ def test_block_stored_class_key_is_ignored_by_consumers_that_do_not_know_it():
                                          None, None, None, None, None, ["pinned", "normal"]])
     got = msgspec.msgpack.decode(positional, type=_VllmBlockStored)
     assert got.block_hashes == [1, 2] and got.medium == "GPU"
+
+
+def test_precise_index_keeps_the_class_until_removed():
+    from kvlab.kvcache.events import BlockRemoved
+    from kvlab.kvcache.index import PreciseIndex
+
+    idx = PreciseIndex()
+    tokens = list(range(48))
+    idx.apply("r0", [BlockStored(block_hashes=[11, 12, 13], parent_block_hash=None, token_ids=tokens, block_size=16,
+                                 retention_classes=["pinned", "normal", "evict-first"])])
+    from kvlab.kvcache.hashing import block_keys
+    keys = block_keys(tokens, 16)
+    assert idx.prefix_classes("r0", keys) == {"pinned": 1, "normal": 1, "evict-first": 1}
+    idx.apply("r0", [BlockRemoved(block_hashes=[13])])
+    assert idx.prefix_classes("r0", keys) == {"pinned": 1, "normal": 1}
+    idx.apply("r1", [BlockStored(block_hashes=[21], parent_block_hash=None, token_ids=tokens[:16], block_size=16)])
+    assert idx.prefix_classes("r1", keys) == {}   # an untyped replica

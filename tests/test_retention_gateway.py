@@ -67,3 +67,44 @@ def test_greedy_pins_the_whole_prompt_and_off_derives_nothing():
     assert [(d.kind, d.start, d.end, d.priority) for d in ds] == [("prompt", 0, len(tokens), 100),
                                                                  ("output", len(tokens), None, 10)]
     assert _derive({"messages": CHAT}, mode="off")[1] == []
+
+
+def test_gateway_sends_derived_directives_upstream_and_passes_client_hints():
+    from tests.test_gateway import Harness, run
+
+    from kvlab.telemetry import names
+
+    body = {"model": "m", "max_tokens": 4, "messages": CHAT}
+
+    async def go():
+        async with Harness("kv-aware-typed", n=1) as h:
+            st, _, _ = await h.post("/v1/chat/completions", body)
+            assert st == 200
+            async with h.client.post(h.url + "/v1/chat/completions", json=body,
+                                     headers={names.HEADER_KV_HINT: "branch"}) as resp:
+                assert resp.status == 200
+            own = '[{"start":0,"end":16,"priority":95}]'
+            async with h.client.post(h.url + "/v1/chat/completions", json=body,
+                                     headers={names.HEADER_RETENTION: own}) as resp:
+                assert resp.status == 200
+            return [hd.get(names.HEADER_RETENTION) for hd in h.replicas[0].headers], own
+
+    sent, own = run(go())
+    derived, branch, passed = (json.loads(s) for s in sent)
+    assert [d["priority"] for d in derived] == [100, 50, 50, 10]   # the preset keeps tools normal
+    assert branch[-1]["priority"] == 10 and branch[-1]["start"] < derived[-1]["start"]
+    assert passed == json.loads(own)
+
+
+def test_kv_aware_sends_no_directive():
+    from tests.test_gateway import Harness, run
+
+    from kvlab.telemetry import names
+
+    async def go():
+        async with Harness("kv-aware", n=1) as h:
+            st, _, _ = await h.post("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": CHAT})
+            assert st == 200
+            return h.replicas[0].headers[0]
+
+    assert names.HEADER_RETENTION not in run(go())
