@@ -198,3 +198,17 @@ def test_precise_index_keeps_the_class_until_removed():
     assert idx.prefix_classes("r0", keys) == {"pinned": 1, "normal": 1}
     idx.apply("r1", [BlockStored(block_hashes=[21], parent_block_hash=None, token_ids=tokens[:16], block_size=16)])
     assert idx.prefix_classes("r1", keys) == {}   # an untyped replica
+
+
+def test_a_preempted_request_keeps_its_evict_first_blocks_until_it_resumes():
+    pool = BlockPool(64, 4, pinned_share=0.25)
+    sched = Scheduler(pool, 8, 256)
+    prompt = list(range(1, 40))
+    req = Request("r", prompt, [7] * 8, sched.prompt_keys(prompt),
+                  retention=[RetentionDirective(start=0, end=None, priority=5)])
+    sched.add(req)
+    batch = sched.schedule()
+    sched.complete(batch)
+    assert {b.cls for b in req.blocks if b.key is not None} == {EVICT_FIRST}
+    sched._preempt(req, sched.schedule())
+    assert pool.typed is not None and pool.typed.counts()[EVICT_FIRST] == 0   # queued as normal

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
-from kvlab.engine.sim.retention import RetentionDirective, block_classes
+from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -229,6 +229,8 @@ class Scheduler:
             else:
                 batch.prefill_tokens -= req.scheduled
                 batch.prefill_ctx_k -= _positions_k(req.num_computed, req.scheduled)
+        if self.pool.typed is not None:   # it resumes soon: its own evict-first blocks must survive till then
+            self.pool.classify(req.blocks, [max(b.cls, NORMAL) for b in req.blocks])
         self.pool.free(reversed(req.blocks))
         req.blocks = []
         req.num_computed = 0
