@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from kvlab.stack.process import runs_command
+from kvlab.telemetry import names
 
 pytestmark = pytest.mark.slow
 
 
 def spans_of(traces_dir: Path, trace_id: str) -> dict[str, set[str]]:
-    """service name -> span names of one trace, from the OTLP JSON files of the run."""
+    """service name -> span roles of one trace, from the OTLP JSON files of the run (a GenAI span's
+    role is its `kvlab.span.role`, its name is `{operation} {model}`)."""
     found: dict[str, set[str]] = {}
     for f in traces_dir.glob("*.jsonl"):
         for line in f.read_text().splitlines():
@@ -26,7 +28,9 @@ def spans_of(traces_dir: Path, trace_id: str) -> dict[str, set[str]]:
                 for ss in rs.get("scopeSpans", []):
                     for span in ss.get("spans", []):
                         if span["traceId"] == trace_id:
-                            found.setdefault(service, set()).add(span["name"])
+                            role = next((a["value"]["stringValue"] for a in span.get("attributes", [])
+                                         if a["key"] == names.SPAN_ROLE), span["name"])
+                            found.setdefault(service, set()).add(role)
     return found
 
 

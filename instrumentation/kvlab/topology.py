@@ -47,6 +47,7 @@ class SimSettings(Strict):
     max_model_len: int = 8192
     seed: int = 0
     cpu_kv_blocks: int = 0          # CPU offload tier per replica, in blocks (0: none; docs/tiered.md)
+    typed_retention: float | None = None  # honour retention directives, pinned share bound (docs/semantic-kv.md)
 
 
 class VllmSettings(Strict):

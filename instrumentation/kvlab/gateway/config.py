@@ -18,10 +18,11 @@ from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
 from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.pull import PullSettings
+from kvlab.gateway.retention import RetentionSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
            "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull", "kv-aware-chunked", "kv-aware-chunked-16",
-           "kv-aware-chunked-256")
+           "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all")
 
 
 class Weights(Strict):
@@ -116,6 +117,7 @@ class PolicyConfig(Strict):
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
     pull: PullSettings = PullSettings()   # cross-replica KV pull (gateway/pull.py, docs/tiered.md)
     chunked: ChunkedSettings = ChunkedSettings()         # chunked decoding, off by default (docs/chunked-decoding.md)
+    retention: RetentionSettings = RetentionSettings()   # typed retention directives (docs/semantic-kv.md)
 
 
 def preset_path(name: str) -> Path:

@@ -26,6 +26,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from kvlab import httpedge
 from kvlab.errors import NoEndpointAvailable, RequestError
 from kvlab.gateway import dp as dp_view
+from kvlab.gateway import retention
 from kvlab.gateway.autoscale import Recommender, record_change
 from kvlab.gateway.chunked.splice import ChunkedDecode
 from kvlab.gateway.config import PolicyConfig
@@ -356,7 +357,8 @@ class Gateway:
                 if limit is not None and len(tokens) > limit:
                     raise RequestError(f"prompt of {len(tokens)} tokens exceeds the gateway limit of {limit}", "prompt")
                 span.set_attribute(names.PROMPT_TOKENS, len(tokens))
-                routed = self._schedule(tokens)
+                upstream, typed = await self._retention(request, payload, tokens, operation)
+                routed = self._schedule(tokens, typed)
                 chunk = self.chunked.chunk_tokens(request.headers, payload, operation)
             except RequestError as err:
                 span.set_status(Status(StatusCode.ERROR, err.message))
@@ -384,7 +386,8 @@ class Gateway:
             path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
             call = await self.pd.run(path, payload, tokens, routed, span, headers)
             body = msgspec.json.encode(payload)
-            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call)
+            return await self._forward(request, span, routed, body, stream, client_usage, headers, t_start, call,
+                                       upstream)
 
     async def _chunked(self, request: web.Request, span: trace.Span, routed: Routed, payload: dict[str, Any],
                        operation: str, chunk: int, client_usage: bool, headers: dict[str, str],
@@ -414,7 +417,23 @@ class Gateway:
         self.metrics.requests.labels(r.name, self.policy, str(resp.status)).inc()
         return resp
 
-    def _schedule(self, tokens: list[int]) -> Routed:
+    async def _retention(self, request: web.Request, payload: dict[str, Any], tokens: list[int],
+                         operation: str) -> tuple[dict[str, str], str | None]:
+        """Upstream headers with the request's retention directives (gateway/retention.py) and the
+        typed prefix for the decision span: the client's own header passed through, else derived
+        from a chat request's roles by the policy. A client's body field is left to the replica."""
+        own = request.headers.get(names.HEADER_RETENTION)
+        if own is not None:
+            return {names.HEADER_RETENTION: own}, own
+        if operation != "chat" or self.cfg.retention.mode == "off" or "retention_directives" in payload:
+            return {}, None
+        found = await retention.derive(self.cfg.retention, payload, tokens, request.headers.get(names.HEADER_KV_HINT),
+                                       self.tokenizer, chat_args(payload))
+        if not found:
+            return {}, None
+        return {names.HEADER_RETENTION: retention.header(found)}, retention.span_value(found)
+
+    def _schedule(self, tokens: list[int], typed: str | None = None) -> Routed:
         with self.tracer.start_as_current_span(names.SPAN_SCHEDULE) as s:
             routed = self.router.route(tokens)
             d = routed.decision
@@ -446,21 +465,33 @@ class Gateway:
                 s.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
                 s.set_attribute(names.PROMPT_TOKENS, len(tokens))
                 if routed.cpu:   # tier-split prefixes (docs/tiered.md)
-                    s.set_attribute(names.PREFIX_TIERS, json.dumps([
+                    s.set_attribute(names.PREFIX_TIERS, _json([
                         {"replica": c.name, "gpu_tokens": c.prefix_tokens - c.cpu_tokens, "cpu_tokens": c.cpu_tokens}
                         for c in d.candidates]))
                     s.set_attribute(names.PREFIX_CPU_TOKENS, d.chosen.cpu_tokens)
+                if typed is not None:
+                    s.set_attribute(names.RETENTION_DIRECTIVES, typed)
+                    self._annotate_typed(s, routed)
             if routed.pull is not None:
                 p = routed.pull
                 with self.tracer.start_as_current_span(names.SPAN_PULL_DECISION) as ps:
                     ps.set_attributes({names.PULL_CHOICE: p.choice, names.PULL_HOLDER: p.holder,
                                        names.PULL_TARGET: p.target, names.PULL_HOLDER_TOKENS: p.holder_prefix,
-                                       names.PULL_COSTS: json.dumps({k: round(v, 2) for k, v in p.costs.items()})})
+                                       names.PULL_COSTS: _json({k: round(v, 2) for k, v in p.costs.items()})})
         return routed
+
+    def _annotate_typed(self, s: trace.Span, routed: Routed) -> None:
+        """The decision span's typed prefix: the directives sent and, from the index, the retention
+        classes of the prefix the chosen replica holds."""
+        chosen = routed.decision.chosen
+        keys = routed.keys_by_size.get(self.router.block_size(chosen.replica), [])
+        s.set_attribute(names.RETENTION_PREFIX_CLASSES,
+                        _json(self.router.precise.prefix_classes(chosen.name, keys)))
 
     async def _forward(self, request: web.Request, span: trace.Span, routed: Routed, body: bytes,
                        stream: bool, client_usage: bool, headers: dict[str, str],
-                       t_start: float, call: str = names.SPAN_UPSTREAM) -> web.StreamResponse:
+                       t_start: float, call: str = names.SPAN_UPSTREAM,
+                       upstream: dict[str, str] | None = None) -> web.StreamResponse:
         assert self.session is not None
         d = routed.decision
         tries = d.ranked[: 1 + self.cfg.limits.max_retries]
@@ -483,6 +514,7 @@ class Gateway:
                 up.set_attribute(names.ENDPOINT, r.url)
                 up.set_attribute(names.SCHEDULE_ATTEMPT, attempt)
                 out_headers = {"Content-Type": "application/json"}
+                out_headers.update(upstream or {})   # retention directives (docs/semantic-kv.md)
                 propagate.inject(out_headers)
                 if routed.pull is not None and routed.pull.choice == "pull" and routed.pull.target == r.name:
                     out_headers[names.HEADER_KV_PULL] = pull_hint(routed.pull)

@@ -32,6 +32,9 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # kvlab, experimental (docs/semantic-kv.md): each block's retention class, a trailing optional
+    # key engines without typed retention never send and decoders that do not know it skip
+    retention_classes: list[str] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

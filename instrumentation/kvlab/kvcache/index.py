@@ -143,6 +143,9 @@ class PreciseIndex:
         self._spec: dict[str, OrderedDict[int, float]] = {}
         self.confirmed = 0    # speculative blocks later confirmed by BlockStored
         self.expired = 0      # speculative blocks that expired unconfirmed
+        # typed retention (experimental, docs/semantic-kv.md): replica -> key -> retention class, from
+        # BlockStored.retention_classes; blocks stored without one are absent (untyped)
+        self.classes: dict[str, dict[int, str]] = {}
 
     def blocks(self, replica: str) -> int:
         return len(self._engine.get(replica, ()))
@@ -243,14 +246,20 @@ class PreciseIndex:
                     emap[eh] = k
                 table.add(replica, keys[:n], offloaded=cpu)
                 if not cpu:
+                    if ev.retention_classes is not None:
+                        self.classes.setdefault(replica, {}).update(zip(keys[:n], ev.retention_classes))
                     self.confirmed += self._drop_speculative(replica, keys[:n])
                 touched += n
             elif isinstance(ev, BlockRemoved):
                 # a removed block was stored first, which already ended its speculation
                 cpu = ev.medium == "CPU"
                 emap = cmap if cpu else gmap
-                table.discard(replica, [k for k in (emap.pop(eh, None) for eh in ev.block_hashes)
-                                        if k is not None], offloaded=cpu)
+                gone = [k for k in (emap.pop(eh, None) for eh in ev.block_hashes) if k is not None]
+                table.discard(replica, gone, offloaded=cpu)
+                typed = None if cpu else self.classes.get(replica)
+                if typed:
+                    for k in gone:
+                        typed.pop(k, None)
                 touched += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(replica)
@@ -259,6 +268,7 @@ class PreciseIndex:
     def clear(self, replica: str) -> None:
         """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy)."""
         self._drop_speculative(replica)
+        self.classes.pop(replica, None)
         emap = self._engine.get(replica)
         if emap:
             self.table.discard(replica, emap.values())
@@ -272,10 +282,24 @@ class PreciseIndex:
         """The replica left the endpoint set."""
         self._drop_speculative(replica)
         self._spec.pop(replica, None)
+        self.classes.pop(replica, None)
         emap = self._engine.pop(replica, {})
         self.table.discard(replica, self._offloaded.pop(replica, {}).values(), offloaded=True)
         self.table.forget(replica, emap.values())
         self.block_size.pop(replica, None)
+
+    def prefix_classes(self, replica: str, keys: Sequence[int]) -> dict[str, int]:
+        """Blocks per retention class of the prefix of `keys` that `replica` holds (typed replicas)."""
+        typed = self.classes.get(replica)
+        out: dict[str, int] = {}
+        if not typed:
+            return out
+        for k in keys:
+            cls = typed.get(k)
+            if cls is None:
+                break
+            out[cls] = out.get(cls, 0) + 1
+        return out
 
     def match(self, keys_by_size: Mapping[int, Sequence[int]], sizes: Mapping[str, int],
               speculative: bool = True, offloaded: bool = False) -> dict[str, int]:

@@ -81,7 +81,7 @@ class ChatUser(User):
                  names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}
         with tracer.start_as_current_span(names.genai_span_name("chat", feed.model), kind=SpanKind.CLIENT,
                                           attributes=attrs) as span:
-            headers: dict[str, str] = dict(req.headers)
+            headers: dict[str, str] = {**req.headers, **({names.HEADER_KV_HINT: req.hint} if req.hint else {})}
             propagate.inject(headers)
             ctx = span.get_span_context()
             if ctx.is_valid:

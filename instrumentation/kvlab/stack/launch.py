@@ -33,6 +33,8 @@ def sim_args(s: SimSettings) -> list[str]:
         args += ["--num-blocks", str(s.num_blocks)]
     if s.cpu_kv_blocks:
         args += ["--cpu-kv-blocks", str(s.cpu_kv_blocks)]
+    if s.typed_retention is not None:
+        args += ["--typed-retention", str(s.typed_retention)]
     return args
 
 

@@ -78,6 +78,8 @@ SCHEDULE_ATTEMPT = "kvlab.schedule.attempt"
 SCHEDULE_SHADOW_CHOICE = "kvlab.schedule.shadow_choice"     # what max-score would have chosen
 SCHEDULE_FILTERED = "kvlab.schedule.filtered"               # JSON [replica] dropped by thresholds
 SCHEDULE_INDEX = "kvlab.schedule.index"                     # JSON {replica: precise|approximate}
+RETENTION_DIRECTIVES = "kvlab.retention.directives"         # JSON [{kind, start, end, priority}] sent (docs/semantic-kv.md)
+RETENTION_PREFIX_CLASSES = "kvlab.retention.prefix_classes"  # JSON {class: blocks} of the chosen replica's cached prefix
 SCHEDULE_KEYS_MS = "kvlab.schedule.keys_ms"                 # block hashing time
 TOKENIZE_MS = "kvlab.tokenize.ms"
 UPSTREAM_ERROR = "kvlab.upstream.error"                     # connect|status|stream|timeout
@@ -178,6 +180,9 @@ HEADER_KV_PULL = "x-kvlab-kv-pull"                    # set by the gateway: HOLD
 HEADER_PRIORITY = "x-kvlab-priority"                # request: high | normal | low (chunked decoding)
 HEADER_TENANT = "x-kvlab-tenant"                    # request: the tenant chunk fairness is shared between
 HEADER_CHUNK_TOKENS = "x-kvlab-chunk-tokens"        # request: chunk size for this request (0: off)
+# request headers (experimental, docs/semantic-kv.md)
+HEADER_RETENTION = "x-kvlab-retention"          # JSON retention directives, as the body's retention_directives
+HEADER_KV_HINT = "x-kvlab-kv-hint"              # a client's hint to the gateway: branch (its new tail evicts first)
 
 # ---- vLLM metric names (kept by the simulator, read by the gateway) ----------------------
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -196,6 +201,13 @@ VLLM_REQUEST_SUCCESS = "vllm:request_success"             # counter
 VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"             # counter
 VLLM_EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"   # counter: KV-connector lookups (tokens)
 VLLM_EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"         # counter: found in the connector (CPU tier)
+# the simulator's typed retention (experimental, docs/semantic-kv.md), label retention_class
+KVLAB_SIM_KV_BLOCKS = "kvlab:kv_cache_blocks"                       # gauge {retention_class}: cached blocks
+KVLAB_SIM_PINNED_USAGE = "kvlab:kv_cache_pinned_perc"               # gauge: pinned blocks / all blocks
+KVLAB_SIM_EVICTIONS = "kvlab:kv_cache_evictions"                    # counter {retention_class}
+KVLAB_SIM_PINS_REFUSED = "kvlab:kv_cache_pins_refused"              # counter: pins over the bound (kept as high)
+KVLAB_SIM_BLOCK_QUERIES = "kvlab:prefix_cache_block_queries"        # counter {retention_class}: prompt blocks looked up
+KVLAB_SIM_BLOCK_HITS = "kvlab:prefix_cache_block_hits"              # counter {retention_class}: of which cached
 
 # ---- kvlab gateway metrics ----------------------------------------------------------------
 KVLAB_REQUESTS = "kvlab_gateway_requests"                 # counter {replica, policy, status}

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvlab.engine.sim.tier import CpuTier
+from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 _U64 = (1 << 64) - 1
@@ -27,27 +28,32 @@ def wire_hash(key: int) -> int:
 
 
 class Block:
-    __slots__ = ("id", "key", "ref_cnt")
+    __slots__ = ("cls", "id", "key", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.id = block_id
         self.ref_cnt = 0
         self.key: int | None = None
+        self.cls = NORMAL          # retention class (retention.py); only a typed pool changes it
 
     def __repr__(self) -> str:
         return f"Block({self.id}, ref={self.ref_cnt}, key={self.key})"
 
 
 class BlockPool:
-    """`num_blocks` blocks of `block_size` tokens; `events=False` skips event bookkeeping."""
+    """`num_blocks` blocks of `block_size` tokens; `events=False` skips event bookkeeping;
+    `pinned_share` (not None) makes the cache typed: retention classes order eviction."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: bool = True, cpu_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: bool = True, cpu_blocks: int = 0,
+                 pinned_share: float | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
+        self.typed = ClassedFreeQueue(self.blocks, pinned_share) if pinned_share is not None else None
+        self._free: OrderedDict[int, Block] | ClassedFreeQueue = (
+            self.typed if self.typed is not None else OrderedDict((b.id, b) for b in self.blocks))
         self._cached: dict[int, Block] = {}
         self._events_on = events
         self._events: list[Event] = []
@@ -112,8 +118,9 @@ class BlockPool:
         return out
 
     def cache(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
-              token_ids: list[int]) -> None:
-        """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored."""
+              token_ids: list[int], classes: Sequence[int] | None = None) -> None:
+        """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored;
+        `classes`: their retention classes (a typed pool)."""
         stored: list[int] = []
         cached = self._cached
         for block, key in zip(blocks, keys):
@@ -122,13 +129,16 @@ class BlockPool:
             block.key = key
             cached[key] = block
             stored.append(wire_hash(key))
+        if classes is not None:
+            self.classify(blocks, classes)
         if stored and self._events_on:
             if len(stored) != len(keys):  # partial: publish only what was stored, each chained
                 self._store_each(blocks, keys, parent, token_ids)
             else:
                 self._events.append(BlockStored(
                     block_hashes=stored, parent_block_hash=None if parent is None else wire_hash(parent),
-                    token_ids=token_ids, block_size=self.block_size, medium="GPU"))
+                    token_ids=token_ids, block_size=self.block_size, medium="GPU",
+                    retention_classes=self._class_names(blocks)))
         if self.tier is not None:  # offloaded on compute (tier.py)
             self.tier.store(keys, parent, token_ids)
 
@@ -139,8 +149,20 @@ class BlockPool:
             if block.key == key:
                 self._events.append(BlockStored(
                     block_hashes=[wire_hash(key)], parent_block_hash=None if parent is None else wire_hash(parent),
-                    token_ids=token_ids[i * bs:(i + 1) * bs], block_size=bs, medium="GPU"))
+                    token_ids=token_ids[i * bs:(i + 1) * bs], block_size=bs, medium="GPU",
+                    retention_classes=self._class_names([block])))
             parent = key
+
+    # ---- retention classes (a typed pool; engine/sim/retention.py) ---------------------
+    def classify(self, blocks: Sequence[Block], classes: Sequence[int]) -> None:
+        """Set the retention class of cached blocks (the latest request's directive wins)."""
+        if self.typed is not None:
+            for block, cls in zip(blocks, classes):
+                if block.key is not None:
+                    self.typed.set_class(block, cls)
+
+    def _class_names(self, blocks: Sequence[Block]) -> list[str] | None:
+        return None if self.typed is None else [CLASS_NAMES[b.cls] for b in blocks]
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop a reference on each block; pass a request's blocks tail first (as vLLM does) so
@@ -157,6 +179,8 @@ class BlockPool:
         """Forget every cached block (running requests keep their blocks); AllBlocksCleared."""
         for block in self._cached.values():
             block.key = None
+            if self.typed is not None:
+                self.typed.set_class(block, NORMAL)
         self._cached.clear()
         if self.tier is not None:
             self.tier.reset()

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: the profile's)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens limit (default: the profile's)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated tokens and block hashes")
+    p.add_argument("--typed-retention", type=float, metavar="PINNED_SHARE",
+                   help="honour retention directives (experimental, docs/semantic-kv.md); pinned blocks "
+                        "are bounded to this share of the cache (0 <= share < 1)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -63,10 +66,12 @@ def build_replicas(args: argparse.Namespace):
         block_size=args.block_size or prof.block_size, num_blocks=args.num_blocks or prof.num_blocks,
         max_num_seqs=args.max_num_seqs or prof.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or prof.max_num_batched_tokens,
-        max_model_len=args.max_model_len or prof.max_model_len,
+        max_model_len=args.max_model_len or prof.max_model_len, pinned_share=args.typed_retention,
         cpu_kv_blocks=prof.cpu_kv_blocks if args.cpu_kv_blocks is None else args.cpu_kv_blocks)
     if cfg.cpu_kv_blocks < 0:
         raise ConfigError("--cpu-kv-blocks must not be negative")
+    if cfg.pinned_share is not None and not 0 <= cfg.pinned_share < 1:
+        raise ConfigError("--typed-retention must be in [0, 1)")
     if min(cfg.block_size, cfg.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) < 1:
         raise ConfigError("sizes must be positive")
     if cfg.max_model_len > cfg.num_blocks * cfg.block_size:

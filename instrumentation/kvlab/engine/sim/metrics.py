@@ -7,9 +7,12 @@ dashboards written for vLLM read them unchanged. Gauges are computed at scrape t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvlab.telemetry import names
 
@@ -21,6 +24,9 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("length", "stop", "abort")
 
+if TYPE_CHECKING:
+    from kvlab.engine.sim.blockpool import BlockPool
+
 
 class ReplicaMetrics:
     """The metrics of one replica. `bind` connects the scrape-time gauges to the engine state."""
@@ -29,6 +35,7 @@ class ReplicaMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ("model_name", "engine")
         values = (model, engine)
+        self._model = model
         reg = self.registry
 
         def child(metric):
@@ -60,6 +67,48 @@ class ReplicaMetrics:
         self._waiting.set_function(waiting)
         self._usage.set_function(usage)
 
+    def bind_retention(self, pool: BlockPool, engine: str) -> None:
+        """Expose a typed pool's per-class figures (retention.py), read at scrape time."""
+        self.registry.register(_RetentionCollector(pool, self._model, engine))
+
     def exposition(self) -> bytes:
         """The text format a Prometheus scrape gets."""
         return generate_latest(self.registry)
+
+
+class _RetentionCollector(Collector):
+    def __init__(self, pool: BlockPool, model: str, engine: str) -> None:
+        self.pool = pool
+        self.values = [model, engine]
+
+    def collect(self) -> Iterator[Metric]:
+        from kvlab.engine.sim.retention import CLASS_NAMES
+
+        typed = self.pool.typed
+        if typed is None:
+            return
+        labels = ["model_name", "engine", "retention_class"]
+        stats = typed.stats
+        blocks = [0] * len(CLASS_NAMES)
+        for block in self.pool.blocks:
+            if block.key is not None:
+                blocks[block.cls] += 1
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        families = (
+            (gauge(names.KVLAB_SIM_KV_BLOCKS, "Cached KV blocks per retention class.", labels=labels), blocks),
+            (counter(names.KVLAB_SIM_EVICTIONS, "Cached blocks evicted, per retention class.", labels=labels),
+             stats.evictions),
+            (counter(names.KVLAB_SIM_BLOCK_QUERIES, "Prompt blocks looked up, per retention class.", labels=labels),
+             stats.queries),
+            (counter(names.KVLAB_SIM_BLOCK_HITS, "Prompt blocks found cached, per retention class.", labels=labels),
+             stats.hits))
+        for family, counts in families:
+            for name, n in zip(CLASS_NAMES, counts):
+                family.add_metric([*self.values, name], n)
+            yield family
+        pinned = gauge(names.KVLAB_SIM_PINNED_USAGE, "Pinned KV blocks / all blocks.", labels=labels[:2])
+        pinned.add_metric(self.values, typed.pinned / self.pool.num_blocks)
+        yield pinned
+        refused = counter(names.KVLAB_SIM_PINS_REFUSED, "Pins refused by the pinned-share bound.", labels=labels[:2])
+        refused.add_metric(self.values, stats.pins_refused)
+        yield refused

@@ -34,6 +34,8 @@ class _Generation(msgspec.Struct, kw_only=True):
     n: int = 1
     stop: str | list[str] | None = None
     kv_transfer_params: KVTransferParams | None = None   # P/D (engine/sim/transfer.py)
+    retention_directives: Any = None     # experimental, parsed by engine/sim/retention.py (400 if bad)
+    retention_scope: str | None = None   # accepted as vLLM's proposal has it; not used by the simulator
 
 
 class CompletionRequest(_Generation, kw_only=True):

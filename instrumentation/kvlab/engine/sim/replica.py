@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_model_len: int
     cpu_kv_blocks: int = 0          # the CPU offload tier (tier.py); 0: none
+    pinned_share: float | None = None   # not None: typed retention (retention.py), pinned blocks' bound
 
 
 class Replica:
@@ -54,9 +55,11 @@ class Replica:
         self.publisher = EventPublisher(kv_events, bind=True, data_parallel_rank=dp_rank,
                                         replay=replay) if kv_events else None
         pool = BlockPool(cfg.num_blocks, cfg.block_size, events=self.publisher is not None,
-                         cpu_blocks=cfg.cpu_kv_blocks)
+                         cpu_blocks=cfg.cpu_kv_blocks, pinned_share=cfg.pinned_share)
         scheduler = Scheduler(pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, hash_seed=hash_seed)
         self.metrics = ReplicaMetrics(model, cfg.block_size, cfg.num_blocks, engine=str(dp_rank or 0))
+        if pool.typed is not None:
+            self.metrics.bind_retention(pool, str(dp_rank or 0))
         if group is None:
             self.engine = Engine(scheduler, cfg.profile, cfg.time_scale, sampler, self.metrics, self.publisher)
         else:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
+from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -39,6 +40,7 @@ class Request:
         "num_tokens",
         "output",
         "prompt",
+        "retention",
         "scheduled",
         "status",
         "stop",
@@ -52,8 +54,10 @@ class Request:
     )
 
     def __init__(self, request_id: str, prompt: list[int], output: list[int], keys: list[int],
-                 stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+                 stop: Sequence[str] = (), min_tokens: int = 0,
+                 retention: list[RetentionDirective] | None = None) -> None:
         self.id = request_id
+        self.retention = retention        # retention directives (retention.py), None: untyped
         self.prompt = prompt
         self.output = output              # the ids it will emit, drawn in advance (deterministic)
         self.max_tokens = len(output)
@@ -190,6 +194,8 @@ class Scheduler:
             if req.num_cached is None:
                 req.num_cached = computed
                 req.num_loaded = loaded * bs
+                if pool.typed is not None:
+                    self._count_typed_hits(req, len(hits), cap)
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += len(hits) * bs
                 self.external_hits += loaded * bs
@@ -210,6 +216,22 @@ class Scheduler:
                    req.prompt[start * bs:(start + n) * bs])
         batch.loaded_blocks += n
 
+    def _count_typed_hits(self, req: Request, n_hits: int, cap: int) -> None:
+        """Per-class block lookups and hits of a prompt; hits take the request's classes."""
+        typed = self.pool.typed
+        assert typed is not None
+        classes = self._classes(req, 0, cap)
+        for i, cls in enumerate(classes):
+            typed.stats.queries[cls] += 1
+            if i < n_hits:
+                typed.stats.hits[cls] += 1
+        if req.retention is not None:
+            self.pool.classify(req.blocks[:n_hits], classes)
+
+    def _classes(self, req: Request, start: int, end: int) -> list[int]:
+        directives = req.retention or []
+        return block_classes(directives, end, self.block_size)[start:]
+
     def _add_to_batch(self, batch: Batch, req: Request, n: int) -> None:
         req.scheduled = n
         batch.requests.append(req)
@@ -228,6 +250,8 @@ class Scheduler:
             else:
                 batch.prefill_tokens -= req.scheduled
                 batch.prefill_ctx_k -= _positions_k(req.num_computed, req.scheduled)
+        if self.pool.typed is not None:   # it resumes soon: its own evict-first blocks must survive till then
+            self.pool.classify(req.blocks, [max(b.cls, NORMAL) for b in req.blocks])
         self.pool.free(reversed(req.blocks))
         req.blocks = []
         req.num_computed = 0
@@ -269,8 +293,9 @@ class Scheduler:
         while start < end and req.blocks[start].key == keys[start]:
             start += 1
         if start < end:
+            classes = self._classes(req, start, end) if self.pool.typed is not None else None
             self.pool.cache(req.blocks[start:end], keys[start:end], keys[start - 1] if start else None,
-                            req.tokens(start * bs, end * bs))
+                            req.tokens(start * bs, end * bs), classes)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a running request now (length, stop): frees its blocks."""

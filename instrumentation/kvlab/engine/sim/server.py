@@ -29,6 +29,8 @@ from kvlab.engine.sim.protocol import (
     chat_ids,
     tokenize_ids,
 )
+from kvlab.engine.sim.retention import RetentionDirective
+from kvlab.engine.sim.retention import parse as parse_retention
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pulled, pull_hint
 from kvlab.errors import ModelNotFound, PromptTooLong, RequestError
@@ -189,7 +191,7 @@ class Api:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{next(_ids)}"
         req = Request(req_id, ids, self.sampler.draw(ids, n_max, body.seed), self.engine.scheduler.prompt_keys(ids),
-                      stop=stop, min_tokens=body.min_tokens)
+                      stop=stop, min_tokens=body.min_tokens, retention=self._retention(request, body))
         params = body.kv_transfer_params
         if params is None and names.HEADER_KV_PULL in request.headers:   # cross-replica pull hint
             params = pull_hint(request.headers[names.HEADER_KV_PULL], self.engine.scheduler.block_size)
@@ -216,6 +218,18 @@ class Api:
             if req.status != FINISHED:
                 self.engine.abort(req)
             self._end_spans(span, req, body, chat, status, request.get(_PULLED))
+
+    def _retention(self, request: web.Request, body: _Generation) -> list[RetentionDirective] | None:
+        """The request's retention directives (body field, else header); validated even when the
+        replica's cache is not typed, so a bad directive is a 400 everywhere."""
+        header = request.headers.get(names.HEADER_RETENTION)
+        if body.retention_directives is not None:
+            directives = parse_retention(body.retention_directives)
+        elif header is not None:
+            directives = parse_retention(header, names.HEADER_RETENTION)
+        else:
+            return None
+        return directives if self.engine.scheduler.pool.typed is not None else None
 
     def _usage(self, req: Request) -> dict:
         cached = req.num_cached or 0

@@ -7,6 +7,12 @@ the agent tries a branch that is abandoned: that request is sent, and the next s
 from the scratchpad *without* it, so the branch's blocks are a dead end a cache keeps for nothing.
 Reuse therefore comes in three layers: the shared system prompt (all sessions), the tool block
 (sessions of one agent), the scratchpad (the steps of one session).
+
+Two switches give the prompt the typed structure lab 09 (docs/semantic-kv.md) needs, off by default
+so earlier results replay unchanged: `tools_message` sends the tool block as a second system
+message (a template-independent place a gateway can tell apart from the system prompt: the tiny
+model's template does not render the `tools` field), `hint_branches` marks each branch request
+with the client hint `x-kvlab-kv-hint: branch` (its reasoning is explored, then abandoned).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class AgenticParams(Params, frozen=True):
     observation_tokens: int = 120  # the tool's answer, kept in the scratchpad
     branch_probability: float = 0.2
     output_tokens: int = 32
+    tools_message: bool = False    # the tool block as its own system message, not appended to the prompt
+    hint_branches: bool = False    # branch requests carry the hint `branch`
 
 
 class Agentic(Workload[AgenticParams]):
@@ -46,9 +54,10 @@ class Agentic(Workload[AgenticParams]):
         p = self.params
         rng = self.rng("session", i)
         agent = rng.randrange(p.agents)
-        system = f"{self._system}\n\nTools:\n{self._tools[agent]}"
-        messages = [{"role": "system", "content": system},
-                    {"role": "user", "content": "Task: " + text(rng, p.task_tokens) + "."}]
+        tools = f"Tools:\n{self._tools[agent]}"
+        head = ([{"role": "system", "content": self._system}, {"role": "system", "content": tools}]
+                if p.tools_message else [{"role": "system", "content": f"{self._system}\n\n{tools}"}])
+        messages = [*head, {"role": "user", "content": "Task: " + text(rng, p.task_tokens) + "."}]
         out: list[WorkloadRequest] = []
 
         def step() -> list[dict[str, str]]:
@@ -56,11 +65,11 @@ class Agentic(Workload[AgenticParams]):
                     {"role": "user", "content": "Observation: " + text(rng, p.observation_tokens) + "."}]
 
         for k in range(p.steps):
-            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}",
-                                       turn=len(out)))
-            if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: next step without it
+            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out)))
+            if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: the next step goes without it
                 out.append(WorkloadRequest(messages=[*messages, *step()], max_tokens=p.output_tokens,
-                                   group=f"agent{agent}", turn=len(out)))
+                                   group=f"agent{agent}", turn=len(out),
+                                   hint="branch" if p.hint_branches else None))
             messages = [*messages, *step()]
         return out
 

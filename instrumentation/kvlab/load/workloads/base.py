@@ -30,6 +30,7 @@ class WorkloadRequest(msgspec.Struct, kw_only=True, frozen=True):
     group: str
     turn: int = 0
     headers: dict[str, str] = {}          # extra request headers (a priority class, a tenant)
+    hint: str | None = None   # a client hint to the gateway (x-kvlab-kv-hint, docs/semantic-kv.md)
 
 
 class Params(Strict, frozen=True):
