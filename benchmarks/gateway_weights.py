@@ -131,7 +131,7 @@ async def run_policy(cfg: PolicyConfig, eps: list[Endpoint], sessions: list[list
                             u = json.loads(line[6:])["usage"]
                             run.cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                             run.prompt += u["prompt_tokens"]
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 run.errors += 1
                 return
             if first is None:

@@ -80,7 +80,7 @@ def test_round_trip_over_zmq_with_gap_and_restart(port):
                 try:
                     first = await asyncio.wait_for(sub.recv(), 0.05)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
             else:
                 pytest.fail("subscriber never received a batch")
@@ -88,7 +88,7 @@ def test_round_trip_over_zmq_with_gap_and_restart(port):
             while True:  # drain what was sent while we waited
                 try:
                     await asyncio.wait_for(sub.recv(), 0.05)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             seq = pub.publish(_batch().events)
             got = await asyncio.wait_for(sub.recv(), 2)
@@ -127,7 +127,7 @@ def test_malformed_frames_are_skipped(port):
                 try:
                     got = await asyncio.wait_for(sub.recv(), 0.05)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
             else:
                 pytest.fail("no batch received")

@@ -53,7 +53,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float = 30.0) -
         raise HTTPError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s") from None
     except web.HTTPRequestEntityTooLarge:
         raise HTTPError(413, f"request body exceeds the limit of {limit} bytes") from None

@@ -11,7 +11,6 @@ rejects is answered 400 with the engine's message; no replica reachable is a 503
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from typing import Any
 
@@ -80,7 +79,7 @@ class EngineTokens:
                     self._no_render.add(r.name)
                 status, data = await self._post(r.url + "/tokenize", body)
                 return self._tokens(status, data, "tokens")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 last = f"{r.name}: {type(exc).__name__}: {exc}"
         raise NoEndpointAvailable(f"no replica could tokenize the prompt ({last})")
 

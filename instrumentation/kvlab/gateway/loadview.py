@@ -87,7 +87,7 @@ class LoadView:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self.registry.failure(r, f"scrape: {type(exc).__name__}: {exc}")
             return
         apply_metrics(r, parse_metrics(text))

@@ -151,7 +151,7 @@ class ParityProbe:
                         if isinstance(data, dict) and isinstance(data.get("tokens"), list):
                             return data["tokens"]
                     error = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             if attempt + 1 < self.attempts:
                 await asyncio.sleep(self.retry_s)

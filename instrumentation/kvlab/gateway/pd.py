@@ -173,7 +173,7 @@ class Disaggregation:
                     ps.set_status(Status(StatusCode.ERROR, error))
                     gw.metrics.upstream_errors.labels(r.name, "prefill_connect").inc()
                     continue          # nothing was computed: the next prefill replica may serve it
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "body"
                     error = f"{r.name}: {type(exc).__name__}: {exc}"
                 finally:

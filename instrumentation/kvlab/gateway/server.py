@@ -536,7 +536,7 @@ class Gateway:
                         up.set_attribute(names.UPSTREAM_ERROR, "connect")
                         up.set_status(Status(StatusCode.ERROR, last_error))
                         continue
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         # a hung replica: the closed connection aborts the request there (as vLLM
                         # does on a disconnect) and nothing reached the client, so the next one is tried
                         last_error = f"{r.name}: no response headers within {self.cfg.timeouts.first_byte_s:g} s"
@@ -598,7 +598,7 @@ class Gateway:
                            resp: aiohttp.ClientResponse, headers: dict[str, str]) -> web.Response:
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             msg = f"{r.name} failed while answering: {type(exc).__name__}: {exc}"
             self.metrics.upstream_errors.labels(r.name, "body").inc()
             up.set_attribute(names.UPSTREAM_ERROR, "body")
@@ -668,7 +668,7 @@ class Gateway:
             status = "499"
             resp.close()
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"
             msg = (f"upstream replica {r.name} broke the stream: {type(exc).__name__}"
                    + (f": {exc}" if str(exc) else ""))

@@ -134,7 +134,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, opened: 
             out["ok"] = resp.status == 200 and data.rstrip().endswith(b"data: [DONE]") and b'"error"' not in data
             if not out["ok"]:
                 out["error"] = data[-300:].decode(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["t_end"] = time.monotonic()
     return out

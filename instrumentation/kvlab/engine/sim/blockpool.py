@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvlab.engine.sim.tier import CpuTier
 from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
+from kvlab.engine.sim.tier import CpuTier
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 _U64 = (1 << 64) - 1

@@ -13,7 +13,6 @@ usage with the original prompt_tokens and the chunks' completion_tokens summed.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -219,7 +218,7 @@ class ChunkedDecode:
                     _usage(obj, c)
                     return c, out
                 return await self._relay(resp, c, ident, out, request, headers, on_first_token)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             c.status = 502
             c.error = msgspec.json.encode({"error": {"message": f"{r.name}: {type(exc).__name__}: {exc}",
                                                      "type": "UpstreamError", "param": None, "code": 502}})

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kvlab.errors import KvlabError
@@ -26,7 +26,7 @@ from kvlab.traces.span import Span, Trace, group_traces
 
 
 def _rfc3339(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _results(text: str) -> list[dict[str, Any]]:
