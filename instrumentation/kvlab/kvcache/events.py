@@ -9,11 +9,11 @@ Reference: `vllm/distributed/kv_events.py`.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-ExternalBlockHash = Union[int, bytes]  # vLLM sends 64-bit ints (older: bytes digests)
+ExternalBlockHash = int | bytes  # vLLM sends 64-bit ints (older: bytes digests)
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -47,7 +47,7 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):

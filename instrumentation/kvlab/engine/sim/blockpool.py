@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
 from kvlab.engine.sim.tier import CpuTier
-from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 
 _U64 = (1 << 64) - 1
 
@@ -103,7 +103,7 @@ class BlockPool:
         if n > len(self._free):
             return None
         out: list[Block] = []
-        removed: list[int] = []
+        removed: list[ExternalBlockHash] = []
         popitem = self._free.popitem
         for _ in range(n):
             _, block = popitem(last=False)
@@ -121,7 +121,7 @@ class BlockPool:
               token_ids: list[int], classes: Sequence[int] | None = None) -> None:
         """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored;
         `classes`: their retention classes (a typed pool)."""
-        stored: list[int] = []
+        stored: list[ExternalBlockHash] = []
         cached = self._cached
         for block, key in zip(blocks, keys):
             if key in cached:  # the same content is already cached in another block

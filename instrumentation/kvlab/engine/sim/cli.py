@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,6 +19,11 @@ from kvlab.engine.flags import add_common, port_list
 from kvlab.errors import ConfigError
 from kvlab.lifecycle import announce_ready, run, stop_requested
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
+if TYPE_CHECKING:
+    from kvlab.engine.sim.dp import LockstepGroup
+    from kvlab.engine.sim.replica import EngineConfig, Replica
+    from kvlab.tokenizer import Tokenizer
 
 log = logging.getLogger("kvlab.engine.sim")
 
@@ -49,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_replicas(args: argparse.Namespace):
+def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
     """The replicas described by parsed flags (not started)."""
     from kvlab.engine.sim.profile import get_profile
     from kvlab.engine.sim.replica import EngineConfig, Replica
@@ -84,7 +90,7 @@ def build_replicas(args: argparse.Namespace):
         raise ConfigError("--data-parallel-size must be at least 1")
     http_ports = port_list(args.ports, args.replicas * dp, "--ports")
     kv_ports = port_list(args.kv_events_ports, args.replicas * dp, "--kv-events-ports")
-    replicas = []
+    replicas: list[Replica] = []
     for i in range(args.replicas):
         base = args.name if args.replicas == 1 else f"{args.name}-{i}"
         group = lockstep_group(cfg, tokenizer, dp)
@@ -98,7 +104,7 @@ def build_replicas(args: argparse.Namespace):
     return replicas, http_ports
 
 
-def lockstep_group(cfg, tokenizer, dp: int):
+def lockstep_group(cfg: EngineConfig, tokenizer: Tokenizer, dp: int) -> LockstepGroup | None:
     """The shared clock of one replica's ranks (dp.py), or None for a dense single-rank replica."""
     if dp == 1 and cfg.profile.moe is None:
         return None

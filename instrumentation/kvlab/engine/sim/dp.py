@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from kvlab.engine.sim.engine import JITTER_S, Engine
 from kvlab.engine.sim.moe import MoeModel, MoeStats, StepCost
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 class RankEngine(Engine):
     """One rank's engine: its own scheduler, stepped by the group's shared clock."""
 
-    def __init__(self, group: LockstepGroup, dp_rank: int, *args, **kwargs) -> None:
+    def __init__(self, group: LockstepGroup, dp_rank: int | None, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
         self.dp_rank = dp_rank
@@ -61,9 +64,9 @@ class LockstepGroup:
         self.last_moe: StepCost | None = None    # the last step's MoE cost
         self._started = 0
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    def member(self, dp_rank: int, *args, **kwargs) -> RankEngine:
+    def member(self, dp_rank: int | None, *args: Any, **kwargs: Any) -> RankEngine:
         """A rank engine (Engine's arguments) joined to this group."""
         eng = RankEngine(self, dp_rank, *args, **kwargs)
         self.members.append(eng)
@@ -140,7 +143,8 @@ class LockstepGroup:
         return st
 
     # ---- spans -----------------------------------------------------------------------
-    def end_spans(self, span: trace.Span, parent, req: Request, dp_rank: int | None, child) -> None:
+    def end_spans(self, span: trace.Span, parent: Context | None, req: Request, dp_rank: int | None,
+                  child: Callable[[str, Context | None, int, int, dict[str, Any]], None]) -> None:
         """Rank attributes on the request span and an `engine.moe_dispatch` child (server.py
         calls this with its `_child(name, parent, start, end, attrs)` helper)."""
         st = self.stats.pop(req.id, None)
@@ -148,7 +152,7 @@ class LockstepGroup:
             span.set_attribute(names.DP_RANK, dp_rank)
         if st is None or not req.t_scheduled:
             return
-        attrs: dict = {names.DP_WAIT_MS: round(st.dp_wait_ms, 3)}
+        attrs: dict[str, Any] = {names.DP_WAIT_MS: round(st.dp_wait_ms, 3)}
         if dp_rank is not None:
             attrs[names.DP_RANK] = dp_rank
         if self.moe is not None and st.steps:

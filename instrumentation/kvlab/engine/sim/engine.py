@@ -37,7 +37,7 @@ class Engine:
         self.publisher = publisher
         self.steps = 0
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         if metrics is not None:
             metrics.bind(lambda: len(scheduler.running), lambda: len(scheduler.waiting),
                          lambda: scheduler.pool.usage)

@@ -27,7 +27,7 @@ from kvlab.config import Strict
 from kvlab.errors import ConfigError
 
 
-class MoeSpec(Strict):
+class MoeSpec(Strict, frozen=True):
     """The MoE part of a latency profile (profiles.yaml, key `moe`)."""
 
     experts: int                     # routed experts per MoE layer (E)

@@ -28,7 +28,7 @@ from kvlab.engine.sim.moe import MoeSpec
 from kvlab.errors import ConfigError
 
 
-class LatencyProfile(Strict):
+class LatencyProfile(Strict, frozen=True):
     """One engine/model/hardware combination. Engine sizes are defaults the flags override."""
 
     description: str
@@ -68,7 +68,7 @@ class LatencyProfile(Strict):
         return self.kv_transfer_ms_fixed + tokens * self.kv_transfer_ms_per_token
 
 
-class ProfileFile(Strict):
+class ProfileFile(Strict, frozen=True):
     profiles: dict[str, LatencyProfile]
 
 

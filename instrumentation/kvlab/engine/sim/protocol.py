@@ -70,6 +70,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 def chat_ids(body: ChatRequest | TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
     """The prompt ids of a chat request (or a /tokenize request with `messages`), as vLLM makes them."""
+    assert body.messages is not None  # a chat request has them; tokenize_ids checks
     text = tokenizer.render_chat(body.messages, body.add_generation_prompt,
                                  continue_final_message=body.continue_final_message, tools=body.tools,
                                  documents=getattr(body, "documents", None),

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.dp import LockstepGroup
+from kvlab.engine.sim.engine import Engine
 from kvlab.engine.sim.moe import MoeModel
 from kvlab.engine.sim.profile import LatencyProfile
-from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
+from kvlab.engine.sim.scheduler import FINISHED, Batch, Request, Scheduler
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.gateway.endpoints import Replica as Target
 from kvlab.gateway.scheduler.base import RouteRequest
@@ -85,7 +86,7 @@ def shared_prefix_workload(seed: int, n: int, groups: int = 8, prefix_tokens: in
 
 
 class _Rank:
-    def __init__(self, name: str, replica: str | None, dp_rank: int | None, engine, target: Target) -> None:
+    def __init__(self, name: str, replica: str | None, dp_rank: int | None, engine: Engine, target: Target) -> None:
         self.name = name
         self.engine = engine
         self.sched: Scheduler = engine.scheduler
@@ -117,7 +118,7 @@ def replay(arrivals: list[Arrival], router: Router, profile: LatencyProfile, *, 
     all_ranks = [rk for _, ranks in groups for rk in ranks]
     result = ReplayResult({rk.name: rk.result for rk in all_ranks})
     busy_until: list[float | None] = [None] * len(groups)     # end of the step in progress
-    batches: list[list | None] = [None] * len(groups)
+    batches: list[list[Batch] | None] = [None] * len(groups)
     pending = sorted(arrivals, key=lambda a: a.t_ms)
     nxt, now, last = 0, 0.0, 0.0
     ids = 0
@@ -151,8 +152,8 @@ def replay(arrivals: list[Arrival], router: Router, profile: LatencyProfile, *, 
         for gi, (group, ranks) in enumerate(groups):
             if busy_until[gi] is None and any(rk.sched.has_work() for rk in ranks):
                 bs_ = [rk.sched.schedule() for rk in ranks]
-                for rk, b in zip(ranks, bs_):
-                    for req in b.admitted:
+                for rk, batch in zip(ranks, bs_):
+                    for req in batch.admitted:
                         req.t_scheduled = int(now * 1e6)
                         rk.result.cached_tokens += req.num_cached or 0
                 ms = group._cost(bs_)
@@ -193,7 +194,9 @@ def _route(router: Router, ranks: list[_Rank], a: Arrival, rid: str, now: float,
     rk.result.peak_waiting = max(rk.result.peak_waiting, len(rk.sched.waiting))
 
 
-def _finish_step(group: tuple[LockstepGroup, list[_Rank]], batches, now: float, result: ReplayResult) -> None:
+def _finish_step(group: tuple[LockstepGroup, list[_Rank]], batches: list[Batch] | None, now: float,
+                 result: ReplayResult) -> None:
+    assert batches is not None  # a group busy until now stepped these batches
     lockstep, ranks = group
     for rk, b in zip(ranks, batches):
         for req in rk.sched.complete(b):

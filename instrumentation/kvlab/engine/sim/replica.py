@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -18,6 +19,9 @@ from kvlab.engine.sim.transfer import KVTransfer
 from kvlab.gateway.discovery.base import Endpoint
 from kvlab.kvcache.transport import EventPublisher
 from kvlab.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvlab.engine.sim.dp import LockstepGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,8 @@ class EngineConfig:
 class Replica:
     def __init__(self, name: str, model: str, cfg: EngineConfig, tokenizer: Tokenizer, sampler: Sampler,
                  kv_events: str | None = None, hash_seed: int = 1, role: str = "both",
-                 dp_rank: int | None = None, replica: str | None = None, group=None) -> None:
+                 dp_rank: int | None = None, replica: str | None = None,
+                 group: LockstepGroup | None = None) -> None:
         self.name = name
         self.role = role                  # both | prefill | decode: a label for the gateway (transfer.py)
         self.dp_rank = dp_rank            # data-parallel rank (dp.py); None: not data parallel

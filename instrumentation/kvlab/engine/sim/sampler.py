@@ -1,6 +1,7 @@
 """What the simulated model says: deterministic word tokens, cheap to stream.
 
-Candidates are the tokenizer's ordinary ids whose text is a space and a word (`" house"`), so every streamed chunk is visible text and TTFT is well defined. The output of a request
+Candidates are the tokenizer's ordinary ids whose text is a space and a word (`" house"`), so
+every streamed chunk is visible text and TTFT is well defined. The output of a request
 depends only on the simulator seed and the prompt (or on the request's own `seed`).
 """
 

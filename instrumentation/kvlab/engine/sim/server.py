@@ -13,11 +13,12 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab.engine.sim.protocol import (
@@ -129,7 +130,7 @@ class Api:
         if model is not None and model != self.model:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
-    def _check_ids(self, ids: list, param: str) -> list[int]:
+    def _check_ids(self, ids: list[Any], param: str) -> list[int]:
         vocab = self.tokenizer.vocab_size
         for t in ids:
             if type(t) is not int:
@@ -138,7 +139,7 @@ class Api:
                 raise RequestError(f"token id {t} is out of vocabulary (size {vocab})", param=param)
         return ids
 
-    def _prompt_ids(self, prompt: str | list, add_special_tokens: bool = True) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[Any], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens)
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -231,7 +232,7 @@ class Api:
             return None
         return directives if self.engine.scheduler.pool.typed is not None else None
 
-    def _usage(self, req: Request) -> dict:
+    def _usage(self, req: Request) -> dict[str, Any]:
         cached = req.num_cached or 0
         return {"prompt_tokens": req.num_prompt, "total_tokens": req.num_prompt + req.num_output,
                 "completion_tokens": req.num_output, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -286,17 +287,20 @@ class Api:
             upto = req.num_output
             parts = []
             if chat and sent == 0 and upto > 0:
-                parts.append(head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+                parts.append(head + b'"delta":{"role":"assistant","content":""},'
+                             b'"logprobs":null,"finish_reason":null}]}\n\n')
             last = upto - 1 if req.status == FINISHED else -1
             for i in range(sent, upto):
                 if i == last:
+                    assert req.finish_reason is not None  # set with FINISHED; once per request
                     parts += [pre, self._last_piece(req), mid, b'"', req.finish_reason.encode(), b'"', tail]
                 else:
                     parts += [pre, escaped[req.output[i]], mid, b"null", tail]
             sent = upto
             if req.status == FINISHED:
                 if include_usage:
-                    parts.append(head[:-len(b'{"index":0,')] + b"]," + b'"usage":' + _encode(self._usage(req)) + b"}\n\n")
+                    parts.append(head[:-len(b'{"index":0,')] + b"]," + b'"usage":' + _encode(self._usage(req))
+                                 + b"}\n\n")
                 parts.append(_DONE)
                 await resp.write(b"".join(parts))
                 break
@@ -378,6 +382,6 @@ class Api:
             log.exception("span export failed")
 
     @staticmethod
-    def _child(name: str, parent, start: int, end: int, attrs: dict) -> None:
+    def _child(name: str, parent: Context | None, start: int, end: int, attrs: dict[str, Any]) -> None:
         s = tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
         s.end(end_time=end)
