@@ -24,11 +24,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
 from kvlab.config import Strict
 from kvlab.gateway.endpoints import Replica
 
 
-class AutoscaleSettings(Strict):
+class AutoscaleSettings(Strict, frozen=True):
     """The `autoscale:` section of a gateway policy (docs/autoscaling.md)."""
 
     target_waiting: float = 2.0          # waiting requests per replica the pool should run at
@@ -93,12 +96,12 @@ class Recommender:
         return rec
 
 
-def record_change(tracer, previous: Recommendation | None, rec: Recommendation) -> None:
+def record_change(tracer: trace.Tracer, previous: Recommendation | None, rec: Recommendation) -> None:
     """A `gateway.autoscale` span with a `kvlab.autoscale.recommendation` event: the trace shows
     when and why the recommendation moved, next to the requests that moved it."""
     from kvlab.telemetry import names
 
-    attrs = {names.AUTOSCALE_DESIRED: rec.desired, names.AUTOSCALE_CURRENT: rec.current,
+    attrs: dict[str, AttributeValue] = {names.AUTOSCALE_DESIRED: rec.desired, names.AUTOSCALE_CURRENT: rec.current,
              names.AUTOSCALE_REASON: rec.reason, names.AUTOSCALE_QUEUE: rec.waiting_per_replica,
              names.AUTOSCALE_KV: rec.kv_usage}
     with tracer.start_as_current_span(names.SPAN_AUTOSCALE, attributes=attrs) as span:

@@ -8,11 +8,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlab.errors import ConfigError, KvlabError
 from kvlab.gateway.config import PRESETS, PolicyConfig, load_policy
 from kvlab.gateway.discovery.base import Discovery, Endpoint, StaticDiscovery
 from kvlab.lifecycle import announce_ready, run, stop_requested
+
+if TYPE_CHECKING:
+    from kvlab.gateway.enginetokens import EngineTokens
+    from kvlab.gateway.tokens import PromptTokenizer
 
 log = logging.getLogger("kvlab.gateway")
 
@@ -100,7 +105,7 @@ def discovery(args: argparse.Namespace, cfg: PolicyConfig) -> Discovery:
     return StaticDiscovery(eps)
 
 
-def token_source(args: argparse.Namespace, cfg: PolicyConfig):
+def token_source(args: argparse.Namespace, cfg: PolicyConfig) -> PromptTokenizer | EngineTokens:
     """Where prompt token ids come from; loading the tokenizer here makes a bad directory or
     template a start-up error that names the file."""
     if args.tokenize_via == "engine":
@@ -113,7 +118,8 @@ def token_source(args: argparse.Namespace, cfg: PolicyConfig):
     return PromptTokenizer(Tokenizer(args.tokenizer), cfg.tokenize_cache_entries)
 
 
-async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery, tok) -> None:
+async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery,
+                tok: PromptTokenizer | EngineTokens) -> None:
     from aiohttp import web
 
     from kvlab.gateway.server import Gateway

@@ -25,7 +25,7 @@ PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-awar
            "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all")
 
 
-class Weights(Strict):
+class Weights(Strict, frozen=True):
     """Scorer weights; each scorer returns a value in [0, 1]; total = sum(weight * score)."""
 
     prefix: float = 0.0
@@ -37,7 +37,7 @@ class Weights(Strict):
     predicted_ttft: float = 0.0          # learned cost per prefill token x (work ahead + own uncached tokens)
 
 
-class Thresholds(Strict):
+class Thresholds(Strict, frozen=True):
     """Filters: a replica above a threshold is not a candidate unless every replica is."""
 
     max_waiting: int | None = None        # vllm:num_requests_waiting
@@ -45,7 +45,7 @@ class Thresholds(Strict):
     max_inflight: int | None = None       # requests the gateway has in flight to it
 
 
-class Timeouts(Strict):
+class Timeouts(Strict, frozen=True):
     connect_s: float = 2.0                # TCP connect to a replica
     first_byte_s: float = 120.0           # request sent -> response headers
     stream_idle_s: float = 60.0           # max gap between two streamed chunks
@@ -55,19 +55,19 @@ class Timeouts(Strict):
     client_body_s: float = 30.0           # reading one request body
 
 
-class Health(Strict):
+class Health(Strict, frozen=True):
     eject_after_failures: int = 3         # consecutive failed scrapes/connects before ejection
     readmit_after_s: float = 2.0          # an ejected replica is probed again after this
     scrape_interval_ms: int = 200
 
 
-class Limits(Strict):
+class Limits(Strict, frozen=True):
     max_body_bytes: int = 8 * 1024 * 1024
     max_prompt_tokens: int | None = None  # None: let the replica judge its model length
     max_retries: int = 2                  # extra replicas tried after a refused connection
 
 
-class TierWeights(Strict):
+class TierWeights(Strict, frozen=True):
     """A prefix block's weight by the tier holding it (docs/tiered.md); defaults: llm-d's precise
     scorer (DefaultKVCacheBackendConfig: gpu 1.0, cpu 0.8). cpu 0: CPU-tier blocks are ignored."""
 
@@ -75,15 +75,18 @@ class TierWeights(Strict):
     cpu: float = 0.8
 
 
-class IndexSettings(Strict):
-    kind: Literal["precise", "approximate"] = "precise"   # precise falls back to approximate per replica without a live event stream
+class IndexSettings(Strict, frozen=True):
+    # precise falls back to approximate per replica without a live event stream
+    kind: Literal["precise", "approximate"] = "precise"
     default_block_size: int = 16          # until /metrics or events tell a replica's own
     approx_capacity_blocks: int = 100_000  # per replica, unless its num_gpu_blocks is known
     tiers: TierWeights = TierWeights()   # GPU vs CPU-offloaded blocks (KV events' `medium`)
-    speculative_ttl_s: float = 30.0       # a routed prompt's blocks count as held until BlockStored confirms them, at most this long (0: off; docs/gateway.md)
+    # a routed prompt's blocks count as held until BlockStored confirms them, at most this long
+    # (0: off; docs/gateway.md)
+    speculative_ttl_s: float = 30.0
 
 
-class StaticEndpoint(Strict):
+class StaticEndpoint(Strict, frozen=True):
     """A replica listed in the config file (same fields as discovery.base.Endpoint)."""
 
     name: str
@@ -92,7 +95,7 @@ class StaticEndpoint(Strict):
     role: Literal["both", "prefill", "decode"] = "both"
 
 
-class PDSettings(Strict):
+class PDSettings(Strict, frozen=True):
     """Prefill/decode disaggregation (docs/pd.md). Active only when prefill-role endpoints exist:
     split when the chosen decode replica lacks at least `threshold_tokens` of the prompt."""
 
@@ -100,7 +103,7 @@ class PDSettings(Strict):
     threshold_tokens: int = 256           # uncached prompt tokens on the decode replica that justify a remote prefill
 
 
-class PolicyConfig(Strict):
+class PolicyConfig(Strict, frozen=True):
     name: str
     description: str = ""
     picker: Literal["max-score", "round-robin", "random", "rank-blind"] = "max-score"
@@ -112,7 +115,8 @@ class PolicyConfig(Strict):
     limits: Limits = Limits()
     tokenize_cache_entries: int = 50_000
     kv_events_resync_s: float = 10.0      # gap-free events needed before a stale replica is trusted again
-    endpoints: list[StaticEndpoint] = []  # used when no --endpoints/--endpoints-file is given
+    # used when no --endpoints/--endpoints-file is given
+    endpoints: list[StaticEndpoint] = msgspec.field(default_factory=list)
     pd: PDSettings = PDSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()   # the desired-replica rule (docs/autoscaling.md)
     pull: PullSettings = PullSettings()   # cross-replica KV pull (gateway/pull.py, docs/tiered.md)
@@ -157,4 +161,5 @@ def load_policy(name: str | None, config_file: str | Path | None = None) -> Poli
 
 
 def to_dict(cfg: PolicyConfig) -> dict[str, Any]:
-    return msgspec.to_builtins(cfg)
+    out: dict[str, Any] = msgspec.to_builtins(cfg)
+    return out

@@ -7,6 +7,10 @@ decision at rank level for the schedule span (`kvlab.dp.rank_reason`, `kvlab.dp.
 
 from __future__ import annotations
 
+from typing import Any
+
+from opentelemetry import trace
+
 from kvlab.gateway.scheduler.base import Candidate, Decision
 
 
@@ -37,14 +41,14 @@ def rank_reason(decision: Decision) -> str:
     return "least-loaded-rank"
 
 
-def sibling_view(decision: Decision) -> list[dict]:
+def sibling_view(decision: Decision) -> list[dict[str, Any]]:
     """[{rank, name, prefix_tokens, waiting, inflight_tokens, total}] for the span (JSON)."""
     return [{"rank": c.replica.endpoint.dp_rank, "name": c.name, "prefix_tokens": c.prefix_tokens,
              "waiting": c.replica.waiting, "inflight_tokens": c.replica.inflight_tokens,
              "total": round(c.total, 4)} for c in siblings(decision)]
 
 
-def annotate(span, decision: Decision) -> None:
+def annotate(span: trace.Span, decision: Decision) -> None:
     """The schedule span's rank attributes: which rank of which replica, why, and its siblings."""
     import json
 

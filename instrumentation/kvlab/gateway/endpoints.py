@@ -8,6 +8,7 @@ candidate); after `readmit_after_s` the scraper probes it again and one success 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvlab.gateway.discovery.base import Endpoint
@@ -23,7 +24,8 @@ class Replica:
     num_gpu_blocks: int | None = None
     inflight: int = 0                   # requests the gateway has open to it right now
     inflight_tokens: int = 0            # their prefill work: prompt minus predicted cached prefix
-    pending_prefill_tokens: int = 0     # uncached prompt tokens sent and not yet past their first token (gateway/prefill.py)
+    pending_prefill_tokens: int = 0     # uncached prompt tokens sent and not yet past their first token
+                                        # (gateway/prefill.py)
     prefill_ms_per_token: float | None = None   # learned from observed TTFTs (gateway/prefill.py)
     healthy: bool = True
     failures: int = 0                   # consecutive
@@ -37,7 +39,8 @@ class Replica:
     events_restarts: int = 0
     events_replayed: int = 0            # lost batches recovered from the replay endpoint
     routed: int = 0
-    tokenizer: str = "unchecked"        # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
+    # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
+    tokenizer: str = "unchecked"
     tokenizer_detail: str | None = None
 
     @property
@@ -56,7 +59,7 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self.eject_after = max(1, eject_after_failures)
         self.readmit_after_s = readmit_after_s
-        self.on_eject = None  # callable(Replica) set by the server (metrics, index)
+        self.on_eject: Callable[[Replica], None] | None = None  # set by the server (metrics, index)
 
     def update(self, endpoints: list[Endpoint]) -> tuple[list[Replica], list[Replica]]:
         """Apply a complete endpoint set; returns (added, removed)."""

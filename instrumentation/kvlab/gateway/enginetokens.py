@@ -44,7 +44,8 @@ class EngineTokens:
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return await self._ids({"prompt": text, "add_special_tokens": add_special_tokens}, chat=False)
 
-    async def encode_chat(self, messages: Any, **kwargs: Any) -> tuple[list[int], int]:
+    async def encode_chat(self, messages: Any, tool_choice: Any = None, **kwargs: Any) -> tuple[list[int], int]:
+        kwargs["tool_choice"] = tool_choice
         return await self._ids({"messages": messages, **{k: v for k, v in kwargs.items() if v is not None}},
                                chat=True)
 
@@ -96,7 +97,8 @@ class EngineTokens:
     @staticmethod
     def _tokens(status: int, data: Any, field: str) -> list[int]:
         if status == 200 and isinstance(data, dict) and isinstance(data.get(field), list):
-            return data[field]
+            tokens: list[int] = data[field]
+            return tokens
         if status == 200 and isinstance(data, list) and data and isinstance(data[0], dict):
             return data[0].get(field) or []
         err = data.get("error") if isinstance(data, dict) else None

@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -55,7 +56,7 @@ def parse_metrics(text: str) -> dict[str, float | dict[str, str]]:
     return out
 
 
-def apply_metrics(r: Replica, parsed: dict) -> None:
+def apply_metrics(r: Replica, parsed: dict[str, Any]) -> None:
     r.waiting = float(parsed.get("waiting", 0.0))
     r.running = float(parsed.get("running", 0.0))
     r.kv_usage = float(parsed.get("kv_usage", 0.0))

@@ -6,7 +6,7 @@ by a collector, so the request path never updates them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -26,7 +26,7 @@ class _StateCollector:
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily(names.KVLAB_INFLIGHT, "requests in flight per replica", labels=["replica"])
         healthy = GaugeMetricFamily(names.KVLAB_ENDPOINT_HEALTHY, "1 when the replica is a candidate",
                                     labels=["replica"])
@@ -51,7 +51,7 @@ class _DeprecatedAliases:
     def __init__(self, metrics: dict[str, object]) -> None:
         self.metrics = metrics   # current name -> the metric object that owns it
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for old, new in names.KVLAB_DEPRECATED_ALIASES.items():
             for family in self.metrics[new].collect():  # type: ignore[attr-defined]
                 alias = Metric(old, f"DEPRECATED: renamed to {new}. {family.documentation}", family.type)

@@ -75,7 +75,7 @@ class ParityProbe:
         self.on_verdict = on_verdict
         self.session: aiohttp.ClientSession | None = None
         self.tracer = trace.get_tracer("kvlab.gateway")
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         local_prompt, _ = prompts.encode_text(PROMPT, True)
         self._samples: list[tuple[str, dict[str, Any], list[int]]] = [("completion", {"prompt": PROMPT}, local_prompt)]
         if prompts.tok.hf.chat_template is not None:
@@ -118,7 +118,8 @@ class ParityProbe:
                     names.TOKENIZER_REPLICA_ID: -1 if verdict.remote is None else verdict.remote})
         if verdict.state == MISMATCH:
             log.warning("tokenizer mismatch on %s: %s; routing it with the approximate index "
-                        "(check `kvlab tokenize` against the engine's /tokenize, docs/gateway.md)", r.name, verdict.detail)
+                        "(check `kvlab tokenize` against the engine's /tokenize, docs/gateway.md)",
+                        r.name, verdict.detail)
         else:
             log.info("tokenizer parity of %s: %s (%s)", r.name, verdict.state, verdict.detail)
         if self.on_verdict is not None:
@@ -149,7 +150,8 @@ class ParityProbe:
                     if resp.status == 200:
                         data = msgspec.json.decode(await resp.read())
                         if isinstance(data, dict) and isinstance(data.get("tokens"), list):
-                            return data["tokens"]
+                            tokens: list[int] = data["tokens"]
+                            return tokens
                     error = f"HTTP {resp.status}"
             except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
                 error = f"{type(exc).__name__}: {exc}"

@@ -25,7 +25,7 @@ from kvlab.config import Strict
 from kvlab.gateway.endpoints import Replica
 
 
-class PullSettings(Strict):
+class PullSettings(Strict, frozen=True):
     """Cross-replica pull (docs/tiered.md). Off unless `enabled`; link costs as the simulator's
     cpu-tiny profile prices its P/D pull (kv_transfer_ms_fixed / _per_token)."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -44,6 +45,7 @@ from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import LocalTokens, PromptTokenizer, chat_args
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.kvcache.transport import Received
 from kvlab.telemetry import genai, names
 
 log = logging.getLogger(__name__)
@@ -110,11 +112,12 @@ class Gateway:
         self.tracer = trace.get_tracer("kvlab.gateway")
         self.scrape_interval_s = (scrape_interval_ms or cfg.health.scrape_interval_ms) / 1000.0
         self.session: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._feeds: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._feeds: dict[str, asyncio.Task[None]] = {}
         self._seen_gaps: dict[str, tuple[int, int]] = {}
         t = cfg.timeouts
-        self._timeout_stream = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.stream_idle_s)
+        self._timeout_stream = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s,
+                                                     sock_read=t.stream_idle_s)
         self._timeout_unary = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, sock_read=t.first_byte_s)
         self.ready = asyncio.Event()
         self.autoscaler = Recommender(cfg.autoscale)
@@ -224,7 +227,7 @@ class Gateway:
             r.events_state = "stale"
             log.warning("KV-event feed of %s stopped: %s", r.name, exc)
 
-    def _on_batch(self, r: Replica, rec) -> None:
+    def _on_batch(self, r: Replica, rec: Received) -> None:
         self.metrics.kv_events.labels(r.name).inc()
         if rec.gap or rec.restarted:
             self.metrics.kv_event_gaps.labels(r.name, "restart" if rec.restarted else "gap").inc()
@@ -237,7 +240,7 @@ class Gateway:
         self.metrics.ejections.labels(r.name).inc()
         log.warning("ejected %s: %s", r.name, r.last_error)
 
-    def _snapshot(self):
+    def _snapshot(self) -> Iterator[tuple[str, int, bool, int, int, str]]:
         for r in list(self.registry.replicas.values()):
             yield (r.name, r.inflight, r.healthy, self.precise.blocks(r.name), self.approx.blocks(r.name),
                    r.events_state)
@@ -256,7 +259,7 @@ class Gateway:
         # Prometheus asks for OpenMetrics when exemplar storage is on: only that format carries
         # the trace-id exemplars Grafana links from latency panels to traces
         if "application/openmetrics-text" in request.headers.get("Accept", ""):
-            return web.Response(body=openmetrics.generate_latest(self.metrics.registry),
+            return web.Response(body=openmetrics.generate_latest(self.metrics.registry),  # type: ignore[no-untyped-call]
                                 headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -301,7 +304,7 @@ class Gateway:
         return await self._proxy(request, "text_completion")
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        payload = httpedge.decode(await httpedge.read_body(
+        payload: dict[str, Any] = httpedge.decode(await httpedge.read_body(
             request, self.cfg.limits.max_body_bytes, self.cfg.timeouts.client_body_s))
         if "stream" in payload and not isinstance(payload["stream"], bool | None):
             raise RequestError("`stream` must be a boolean", "stream")
@@ -528,7 +531,8 @@ class Gateway:
                     try:
                         resp = await asyncio.wait_for(self.session.post(
                             r.url + path, data=body, headers=out_headers,
-                            timeout=self._timeout_stream if stream else self._timeout_unary), self.cfg.timeouts.first_byte_s)
+                            timeout=self._timeout_stream if stream else self._timeout_unary),
+                            self.cfg.timeouts.first_byte_s)
                     except _RETRYABLE as exc:
                         last_error = f"{r.name}: {type(exc).__name__}: {exc}"
                         self.metrics.upstream_errors.labels(r.name, "connect").inc()
@@ -568,9 +572,9 @@ class Gateway:
         span.set_status(Status(StatusCode.ERROR, last_error))
         span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 502)
         self.metrics.requests.labels(d.chosen.name, self.policy, "502").inc()
-        resp = _upstream_error(f"upstream failed: {last_error}")
-        resp.headers.update(headers)
-        return resp
+        failed = _upstream_error(f"upstream failed: {last_error}")
+        failed.headers.update(headers)
+        return failed
 
     def _delivered(self, span: trace.Span, usage: _Usage | None, headers: dict[str, str],
                    set_header: bool = False) -> None:

@@ -41,7 +41,7 @@ class PromptTokenizer:
         added = [t for t in backend.get_added_tokens_decoder().values()
                  if not (t.lstrip or t.rstrip or t.single_word)]
         specials = sorted((t.content for t in added), key=len, reverse=True)
-        self._special_ids = {s: backend.token_to_id(s) for s in specials}
+        self._special_ids = {s: i for s in specials if (i := backend.token_to_id(s)) is not None}
         self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
         self._wrap = self._wrapper()
         self.cut_newlines = True

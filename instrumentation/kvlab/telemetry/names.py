@@ -78,8 +78,10 @@ SCHEDULE_ATTEMPT = "kvlab.schedule.attempt"
 SCHEDULE_SHADOW_CHOICE = "kvlab.schedule.shadow_choice"     # what max-score would have chosen
 SCHEDULE_FILTERED = "kvlab.schedule.filtered"               # JSON [replica] dropped by thresholds
 SCHEDULE_INDEX = "kvlab.schedule.index"                     # JSON {replica: precise|approximate}
-RETENTION_DIRECTIVES = "kvlab.retention.directives"         # JSON [{kind, start, end, priority}] sent (docs/semantic-kv.md)
-RETENTION_PREFIX_CLASSES = "kvlab.retention.prefix_classes"  # JSON {class: blocks} of the chosen replica's cached prefix
+# JSON [{kind, start, end, priority}] sent (docs/semantic-kv.md)
+RETENTION_DIRECTIVES = "kvlab.retention.directives"
+# JSON {class: blocks} of the chosen replica's cached prefix
+RETENTION_PREFIX_CLASSES = "kvlab.retention.prefix_classes"
 SCHEDULE_KEYS_MS = "kvlab.schedule.keys_ms"                 # block hashing time
 TOKENIZE_MS = "kvlab.tokenize.ms"
 UPSTREAM_ERROR = "kvlab.upstream.error"                     # connect|status|stream|timeout
@@ -176,7 +178,8 @@ HEADER_PREFIX_AVAILABLE = "x-kvlab-prefix-available"  # tokens: best cached pref
 HEADER_PREFIX_PREDICTED = "x-kvlab-prefix-predicted"  # tokens: cached prefix on the chosen replica
 HEADER_PREFIX_DELIVERED = "x-kvlab-prefix-delivered"  # tokens: cached_tokens (non-streaming only)
 HEADER_PREFIX_SPECULATIVE = "x-kvlab-prefix-speculative"  # tokens: part of predicted that was speculative
-HEADER_KV_PULL = "x-kvlab-kv-pull"                    # set by the gateway: HOLDER;TOKENS, pull that prefix from HOLDER (docs/tiered.md)
+# set by the gateway: HOLDER;TOKENS, pull that prefix from HOLDER (docs/tiered.md)
+HEADER_KV_PULL = "x-kvlab-kv-pull"
 HEADER_PRIORITY = "x-kvlab-priority"                # request: high | normal | low (chunked decoding)
 HEADER_TENANT = "x-kvlab-tenant"                    # request: the tenant chunk fairness is shared between
 HEADER_CHUNK_TOKENS = "x-kvlab-chunk-tokens"        # request: chunk size for this request (0: off)

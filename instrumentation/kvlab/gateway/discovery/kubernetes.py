@@ -68,9 +68,9 @@ def _default_api() -> Any:
     from kubernetes import client, config
 
     try:
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        config.load_kube_config()
+        config.load_kube_config()  # type: ignore[no-untyped-call]
     return client.CoreV1Api()
 
 
@@ -138,7 +138,7 @@ class KubernetesDiscovery(Discovery):
                 listed = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
                 pods = {p.metadata.name: p for p in listed.items}
                 publish(endpoints_of(pods, self.api_port, self.kv_events_port))
-                self._watch = watch.Watch()
+                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for event in self._watch.stream(
                     api.list_namespaced_pod, self.namespace, label_selector=self.selector,
                     resource_version=listed.metadata.resource_version, timeout_seconds=self._watch_timeout_s,
