@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
 from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
+
+if TYPE_CHECKING:
+    import asyncio
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
@@ -76,7 +80,7 @@ class Request:
         self.min_tokens = min_tokens
         self.text_len = 0                 # characters of output text to deliver (stop strings cut it)
         self.t_arrival = self.t_scheduled = self.t_first_token = self.t_last_token = self.t_finished = 0
-        self.waiter = None                # the engine's wake-up future for the response writer
+        self.waiter: asyncio.Future[None] | None = None   # the engine's wake-up future for the response writer
         self.ctx = None                   # the engine's tracing context
 
     def token(self, i: int) -> int:
