@@ -20,6 +20,7 @@ import yaml
 from kvlab import lab
 from kvlab.epp import DESTINATION_HEADER, SERVICE_NAME
 from kvlab.stack.kind import envoy, forward, llmd, phases, versions
+from kvlab.stack.kind import manifests as m
 from kvlab.stack.kind.manifests import NODE_PORTS, Cluster
 from kvlab.topology import Topology
 
@@ -230,8 +231,9 @@ def test_precise_scorer_only_on_gpu():
     assert "precise-prefix-cache-scorer" not in str(llmd.plugin_config(precise=False))
     precise = llmd.plugin_config(precise=True, block_size=16)
     plugin = next(p for p in precise["plugins"] if p["type"] == "precise-prefix-cache-scorer")
-    assert plugin["parameters"]["indexerConfig"]["tokenProcessorConfig"] == {"blockSize": 16,
-                                                                             "hashSeed": llmd.KV_EVENTS_HASH_SEED}
+    assert plugin["parameters"]["tokenProcessorConfig"] == {"blockSize": 16, "hashSeed": llmd.KV_EVENTS_HASH_SEED}
+    assert plugin["parameters"]["kvEventsConfig"] == {"topicFilter": "kv@", "discoverPods": True,
+                                                      "podDiscoveryConfig": {"socketPort": m.KV_EVENTS_PORT}}
 
 
 # ----------------------------------------------------------------------------- plans

@@ -5,6 +5,7 @@ HF token Secret (referenced, never a value)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,29 @@ def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
                                       annotations=template["metadata"]["annotations"]),
                 status=V1PodStatus(phase="Running", pod_ip="10.0.0.7"))
     assert [(e.url, e.kv_events) for e in pod_endpoints(pod, API_PORT, KV_EVENTS_PORT)] == served
+
+
+def test_vllm_pods_publish_what_llm_d_precise_scorer_reads():
+    """llm-d's precise prefix scorer (the `llm-d` phase on GPU) subscribes to every pod at
+    KV_EVENTS_PORT + rank, keeps topics `kv@<pod-ip>@<model>` and recomputes vLLM's block hashes:
+    the pods must publish there, hash with CBOR SHA-256 seeded like the scorer, in its block size."""
+    from kvlab.stack.kind import llmd
+    from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind.phases import gateway_api_phases
+
+    topology = load_topology(ROOT / "labs" / "topologies" / "gpu-1.yaml")
+    cluster = m.Cluster(gpu=True)
+    vllm = next(c for x in m.render(topology, cluster)["baseline"] if x["kind"] == "Deployment"
+                for c in x["spec"]["template"]["spec"]["containers"])
+    args, env = vllm["args"], {e["name"]: e for e in vllm["env"]}
+    events = json.loads(_arg(args, "--kv-events-config"))
+    assert events["topic"] == f"kv@$(POD_IP)@{topology.model}" and events["endpoint"].endswith(f":{m.KV_EVENTS_PORT}")
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert _arg(args, "--prefix-caching-hash-algo") == "sha256_cbor"
+    plugins = yaml.safe_load(next(x for x in gateway_api_phases(topology, cluster)["llm-d"]
+                                  if x["kind"] == "ConfigMap")["data"]["plugins.yaml"])["plugins"]
+    scorer = next(p for p in plugins if p["type"] == "precise-prefix-cache-scorer")["parameters"]
+    assert env["PYTHONHASHSEED"]["value"] == scorer["tokenProcessorConfig"]["hashSeed"] == llmd.KV_EVENTS_HASH_SEED
+    assert scorer["tokenProcessorConfig"]["blockSize"] == int(_arg(args, "--block-size"))
+    assert scorer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == m.KV_EVENTS_PORT
+    assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])

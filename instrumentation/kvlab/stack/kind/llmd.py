@@ -25,7 +25,11 @@ NAME = "kvlab-llm-d"
 POOL = "kvlab-pool"
 HEALTH_PORT = 9003
 LLMD_UID = 65532            # the distroless `nonroot` user of the llm-d and Envoy images
-KV_EVENTS_HASH_SEED = "42"  # PYTHONHASHSEED of the vLLM pods; the precise scorer hashes blocks the same way
+# What llm-d's precise scorer needs from the vLLM pods (rendered by manifests._vllm_container on GPU):
+# block hashes it can recompute (vLLM `--prefix-caching-hash-algo sha256_cbor`, seeded by PYTHONHASHSEED =
+# its tokenProcessorConfig.hashSeed), the same block size, and KV events on a topic
+# `kv@<pod-ip>@<model>` at the pod's port KV_EVENTS_PORT + rank (it subscribes to every pod it discovers).
+KV_EVENTS_HASH_SEED = m.KV_HASH_SEED
 CONFIG_API = "inference.networking.x-k8s.io/v1alpha1"
 
 
@@ -39,8 +43,9 @@ def plugin_config(precise: bool, block_size: int = 16) -> dict[str, Any]:
                                      {"pluginRef": "kv-cache-utilization-scorer", "weight": 1}]
     if precise:
         plugins.insert(2, {"type": "precise-prefix-cache-scorer", "parameters": {
-            "kvEventsConfig": {"zmqEndpoint": f"tcp://*:{m.KV_EVENTS_PORT}", "topicFilter": "kv@"},
-            "indexerConfig": {"tokenProcessorConfig": {"blockSize": block_size, "hashSeed": KV_EVENTS_HASH_SEED}}}})
+            "tokenProcessorConfig": {"blockSize": block_size, "hashSeed": KV_EVENTS_HASH_SEED},
+            "kvEventsConfig": {"topicFilter": "kv@", "discoverPods": True,
+                               "podDiscoveryConfig": {"socketPort": m.KV_EVENTS_PORT}}}})
         profile[0] = {"pluginRef": "precise-prefix-cache-scorer", "weight": 2}
     profile.append({"pluginRef": "max-score-picker"})
     return {"apiVersion": CONFIG_API, "kind": "EndpointPickerConfig", "plugins": plugins,
@@ -72,8 +77,9 @@ def picker_container(cluster: m.Cluster) -> dict[str, Any]:
 def llm_d(topology: Topology, cluster: m.Cluster) -> list[Manifest]:
     ns = cluster.namespace
     labels = m._labels("llm-d")
+    plugins = plugin_config(precise=cluster.gpu, block_size=topology.gpu.block_size)
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": m._meta(f"{NAME}-plugins", ns, labels),
-              "data": {"plugins.yaml": yaml.safe_dump(plugin_config(precise=cluster.gpu), sort_keys=False)}}
+              "data": {"plugins.yaml": yaml.safe_dump(plugins, sort_keys=False)}}
     # the picker reads its pool and (optional) objectives, and leases for leader election
     read = ["get", "list", "watch"]
     extra = [{"apiGroups": [gatewayapi.INFERENCE_GROUP], "resources": ["inferencepools"], "verbs": read},

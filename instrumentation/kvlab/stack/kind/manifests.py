@@ -49,6 +49,9 @@ REPLICA_SELECTOR = f"{PART_OF}=kvlab,{COMPONENT}=replica"
 
 API_PORT = 8000
 KV_EVENTS_PORT = 5557
+# block hashes llm-d's precise scorer can recompute (stack/kind/llmd.py): vLLM's CBOR SHA-256, seeded
+KV_HASH_ALGO = "sha256_cbor"
+KV_HASH_SEED = "42"   # PYTHONHASHSEED of the vLLM pods = the scorer's tokenProcessorConfig.hashSeed
 # NodePorts, mapped to the same ports on 127.0.0.1 of the host by kind/*.yaml (extraPortMappings).
 NODE_PORTS = {"baseline": 30080, "gateway": 30081, "jaeger": 30686, "prometheus": 30090, "grafana": 30300,
               "gateway-api": 30082, "llm-d": 30083}
@@ -260,11 +263,16 @@ def _nixl(topology: Topology, pool: Pool) -> tuple[list[str], list[dict], list[d
 def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster, rank: int = 0) -> dict:
     """The `vllm serve` of one data-parallel rank (the only one unless data_parallel_size > 1)."""
     v = topology.vllm
+    # the topic and block hashes llm-d's precise scorer reads too (stack/kind/llmd.py); kvlab's gateway
+    # subscribes to every topic, its index keys blocks by token ids, not by vLLM's hashes
     kv_events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                            "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": "kv-events"}, separators=(",", ":"))
+                            "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": f"kv@$(POD_IP)@{topology.model}"},
+                           separators=(",", ":"))
+    own_algo = any(a.startswith("--prefix-caching-hash-algo") for a in v.extra_args)
+    algo = [] if own_algo else ["--prefix-caching-hash-algo", KV_HASH_ALGO]
     args = [cluster.hf_model, "--host", "0.0.0.0", "--port", str(API_PORT + rank),
             "--served-model-name", topology.model, "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--max-model-len", str(v.max_model_len), *gpu.vllm_args(topology),
+            "--max-model-len", str(v.max_model_len), *gpu.vllm_args(topology), *algo,
             "--kv-events-config", kv_events, *v.extra_args]
     nixl_args, nixl_env, nixl_ports = _nixl(topology, pool)
     args += nixl_args
@@ -274,6 +282,7 @@ def _vllm_container(topology: Topology, pool: Pool, cluster: Cluster, rank: int 
         args += ["--otlp-traces-endpoint", endpoint.rstrip("/") + "/v1/traces", "--collect-detailed-traces", "all"]
     env = [
         _field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"), {"name": "PYTHONHASHSEED", "value": KV_HASH_SEED},
         _secret_env("HF_TOKEN", cluster.hf_token_secret, "token"),
         {"name": "HOME", "value": "/cache"}, {"name": "HF_HOME", "value": "/cache/huggingface"},
         {"name": "XDG_CACHE_HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
