@@ -34,8 +34,8 @@ venv-dev: $(VENV)/.dev
 lab: $(VENV)/.core
 	$(VENV)/bin/kvlab lab $(LAB_ARGS)
 
-## The test suite (tests marked `vllm` need `make vllm` first; CI installs it).
-test: $(VENV)/.dev
+## The test suite, after the static checks (tests marked `vllm` need `make vllm` first; CI installs it).
+test: $(VENV)/.dev lint
 	$(PY) -m pytest $(TEST_ARGS)
 
 ## Static checks: ruff (package, tests, labs, benchmarks) and mypy --strict on the package (pyproject.toml).

@@ -26,7 +26,7 @@ Engine = Literal["sim", "vllm"]
 Role = Literal["both", "prefill", "decode"]
 
 
-class Pool(Strict):
+class Pool(Strict, frozen=True):
     """A group of identical replicas."""
 
     name: str = "replicas"
@@ -35,7 +35,7 @@ class Pool(Strict):
     data_parallel_size: int = 1     # ranks per replica, one API port each (wide-EP)
 
 
-class SimSettings(Strict):
+class SimSettings(Strict, frozen=True):
     """Simulator settings shared by every simulated replica (see docs/simulator.md)."""
 
     profile: str = "cpu-tiny"
@@ -50,7 +50,7 @@ class SimSettings(Strict):
     typed_retention: float | None = None  # honour retention directives, pinned share bound (docs/semantic-kv.md)
 
 
-class VllmSettings(Strict):
+class VllmSettings(Strict, frozen=True):
     """Real vLLM (CPU build) settings (see docs/vllm.md)."""
 
     model_dir: str | None = None    # None: the tiny model `kvlab model tiny` builds under runs/
@@ -61,7 +61,7 @@ class VllmSettings(Strict):
     extra_args: list[str] = []
 
 
-class GpuSettings(Strict):
+class GpuSettings(Strict, frozen=True):
     """vLLM on NVIDIA GPUs in kind (`kvlab cluster --gpu`, docs/kind.md). Several replicas can share
     one GPU: the device plugin's time-slicing hands out `replicas_per_gpu` slots per GPU and each
     replica takes `memory_utilization` of its GPU's memory."""
@@ -82,7 +82,7 @@ class GpuSettings(Strict):
                               f"{self.memory_utilization} must fit in 95 % of a GPU")
 
 
-class GatewaySettings(Strict):
+class GatewaySettings(Strict, frozen=True):
     policy: str = "kv-aware"
     config: str | None = None       # scheduler YAML (weights, thresholds); None = the policy preset
     scrape_interval_ms: int = 200
@@ -92,13 +92,13 @@ class GatewaySettings(Strict):
     autoscale: AutoscaleSettings | None = None
 
 
-class ObservabilitySettings(Strict):
+class ObservabilitySettings(Strict, frozen=True):
     traces: str = "auto"            # auto | files | off | an OTLP/HTTP endpoint URL (e.g. a Jaeger)
     prometheus: Literal["auto", "off"] = "auto"
     sample_ratio: float = 1.0
 
 
-class WorkloadSettings(Strict):
+class WorkloadSettings(Strict, frozen=True):
     """The workload a topology is sized for: `kvlab lab` runs it unless `--workload` names another
     (`--workload-params` override these parameters)."""
 
@@ -106,7 +106,7 @@ class WorkloadSettings(Strict):
     params: dict[str, Any] = {}
 
 
-class Topology(Strict):
+class Topology(Strict, frozen=True):
     name: str = "lab"
     model: str = "kvlab-tiny"       # the served model name clients ask for
     engine: Engine = "sim"

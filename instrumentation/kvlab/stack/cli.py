@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -68,7 +69,7 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_stack(stack: dict) -> None:
+def _print_stack(stack: dict[str, Any]) -> None:
     console.print(f"[bold]stack {stack['id']}[/bold] ({stack.get('status')}), run dir {stack['run_dir']}")
     console.print(f"  gateway     {stack['gateway']}  policy {stack.get('policy')}")
     for r in stack.get("replicas", []):

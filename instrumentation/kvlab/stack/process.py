@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
@@ -51,7 +52,7 @@ def _signal_group(pid: int, sig: int) -> None:
 class Child:
     """One supervised process: name, argv, log file, and its Popen (None if adopted by pid)."""
 
-    def __init__(self, name: str, argv: list[str], log: Path, proc: subprocess.Popen | None = None,
+    def __init__(self, name: str, argv: list[str], log: Path, proc: subprocess.Popen[bytes] | None = None,
                  pid: int | None = None, env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.log, self.proc = name, [str(a) for a in argv], log, proc
         self.pid = proc.pid if proc is not None else int(pid or 0)
@@ -70,7 +71,7 @@ class Child:
             return self.proc.poll() is None
         return _alive(self.pid)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": str(self.log)}
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -94,13 +95,14 @@ class Child:
     def fail(self, what: str) -> StackError:
         return StackError(f"{self.name} {what}; last lines of {self.log}:\n{log_tail(self.log)}")
 
-    def wait_ready_file(self, path: Path, timeout_s: float) -> dict:
+    def wait_ready_file(self, path: Path, timeout_s: float) -> dict[str, Any]:
         """Wait for the JSON the child writes once it listens; StackError if it dies or times out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if path.exists():
                 try:
-                    return json.loads(path.read_text())
+                    data: dict[str, Any] = json.loads(path.read_text())
+                    return data
                 except ValueError:
                     pass
             if not self.alive():
@@ -129,7 +131,7 @@ def runs_command(pid: int, argv: list[str]) -> bool:
     return _alive(pid) and [c.decode(errors="replace") for c in cmdline if c] == [str(a) for a in argv]
 
 
-def stop_recorded(entry: dict, grace_s: float = 10.0) -> bool:
+def stop_recorded(entry: dict[str, Any], grace_s: float = 10.0) -> bool:
     """Stop a process recorded in stack.json if it still runs its command; True if it was stopped."""
     pid, argv = int(entry["pid"]), entry["argv"]
     if not runs_command(pid, argv):

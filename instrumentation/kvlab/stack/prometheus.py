@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -59,7 +60,7 @@ def rules_file(run_dir: Path) -> Path:
     return Path(run_dir).absolute() / "prometheus" / "kvlab.rules.yaml"
 
 
-def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0) -> dict:
+def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0) -> dict[str, Any]:
     """The prometheus.yml content: one job per name, its targets read from its file_sd file, and
     the lab's rules evaluated every scrape interval."""
     interval = _duration(scrape_interval_s)
@@ -76,7 +77,7 @@ def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0
 
 
 def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
-                     scrape_interval_s: float = 1.0) -> subprocess.Popen | None:
+                     scrape_interval_s: float = 1.0) -> subprocess.Popen[bytes] | None:
     """Start Prometheus on 127.0.0.1:`port` scraping `targets`; None when the binary is absent.
 
     `targets` are the initial ones (job -> ["host:port", ...]); change a job's later with
@@ -115,7 +116,7 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
     return proc
 
 
-def active_targets(base_url: str) -> list[dict]:
+def active_targets(base_url: str) -> list[dict[str, Any]]:
     """Prometheus's view of its scrape targets (job, instance, health, lastError)."""
     with urllib.request.urlopen(f"{base_url.rstrip('/')}/api/v1/targets?state=active", timeout=5) as resp:
         data = json.load(resp)

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from opentelemetry import trace
 
@@ -59,7 +60,7 @@ class Scaler:
         self.ready_timeout_s = ready_timeout_s
         self.on_change = on_change
         self.added: list[Scaled] = []
-        self.actions: list[dict] = []         # what happened, for summaries and tests
+        self.actions: list[dict[str, Any]] = []         # what happened, for summaries and tests
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -69,10 +70,11 @@ class Scaler:
         """Replicas in the endpoints file (data-parallel ranks grouped into their replica)."""
         return len({e.replica or e.name for e in read_endpoints(self.endpoints_file)})
 
-    def recommendation(self) -> dict | None:
+    def recommendation(self) -> dict[str, Any] | None:
         try:
             with urllib.request.urlopen(f"{self.gateway_url}/debug/autoscale", timeout=2) as resp:
-                return json.loads(resp.read()).get("recommendation")
+                found: dict[str, Any] | None = json.loads(resp.read()).get("recommendation")
+                return found
         except (OSError, ValueError) as exc:
             log.debug("no recommendation: %s", exc)
             return None

@@ -47,7 +47,8 @@ def write_json(path: Path, data: Any) -> None:
 
 def read_stack(run_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((run_dir / "stack.json").read_text())
+        data: dict[str, Any] = json.loads((run_dir / "stack.json").read_text())
+        return data
     except (OSError, ValueError):
         return None
 

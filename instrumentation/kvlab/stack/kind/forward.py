@@ -41,7 +41,8 @@ def node_port_url(target: str) -> str:
 def _answers(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return 200 <= resp.status < 500
+            status: int = resp.status
+            return 200 <= status < 500
     except Exception:
         return False
 
@@ -116,7 +117,8 @@ def ready_pod(core: Any, namespace: str, service: str) -> str:
     for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
         conditions = pod.status.conditions or []
         if pod.status.phase == "Running" and any(c.type == "Ready" and c.status == "True" for c in conditions):
-            return pod.metadata.name
+            name: str = pod.metadata.name
+            return name
     raise StackError(f"no ready pod behind service {service} in {namespace}: `kvlab cluster status`")
 
 

@@ -60,11 +60,11 @@ def model_cache_claim(namespace: str) -> Manifest:
     }
 
 
-def model_cache_volume() -> dict:
+def model_cache_volume() -> dict[str, Any]:
     return {"name": "cache", "persistentVolumeClaim": {"claimName": MODEL_CACHE_CLAIM}}
 
 
-def time_slicing(replicas_per_gpu: int) -> dict:
+def time_slicing(replicas_per_gpu: int) -> dict[str, Any]:
     """NVIDIA device plugin config: each GPU is advertised as `replicas_per_gpu` `nvidia.com/gpu`
     slots (time-slicing; no memory isolation, hence each replica's --gpu-memory-utilization)."""
     return {"version": "v1", "flags": {"migStrategy": "none"},

@@ -19,7 +19,7 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def fetch_tokenizer(model: str, out: Path) -> list[Path]:
     """Download the tokenizer files `model` has into `out`; tokenizer.json is required."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError
 
     out.mkdir(parents=True, exist_ok=True)
     got = []

@@ -106,7 +106,7 @@ def delete(cluster: m.Cluster) -> list[Step]:
     return [Step(action="run", what="delete the kind cluster", argv=["kind", "delete", "cluster", "--name", cluster.name])]
 
 
-def _rollout(manifest: dict, context: str, timeout_s: float) -> Step:
+def _rollout(manifest: dict[str, Any], context: str, timeout_s: float) -> Step:
     return Step(action="rollout", what="rollout", context=context, kind=manifest["kind"],
                 name=manifest["metadata"]["name"], namespace=manifest["metadata"]["namespace"], timeout_s=timeout_s)
 
