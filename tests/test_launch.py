@@ -62,3 +62,33 @@ def test_stack_info_round_trips_through_stack_json(tmp_path):
     assert read_info(tmp_path) == info
     (tmp_path / "stack.json").write_text("{not json")
     assert read_info(tmp_path) is None
+
+
+def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):
+    """The OS may offer a just-closed port again; a stack asking for 16 ports before its children
+    bind them must still get 16 different ones (a wide-EP stack once got 43895 twice)."""
+    import socket
+
+    from kvlab import lifecycle
+
+    offers = iter([41000, 41000, 41001, 41000, 41001, 41002])
+
+    class Fake:
+        def __init__(self, *a: object) -> None:
+            self.port = next(offers)
+
+        def __enter__(self) -> Fake:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def bind(self, addr: object) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(lifecycle, "_HANDED_OUT", type(lifecycle._HANDED_OUT)(maxlen=16))
+    monkeypatch.setattr(socket, "socket", Fake)
+    assert [lifecycle.free_port() for _ in range(3)] == [41000, 41001, 41002]

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,21 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     os.replace(tmp, target)
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=4096)   # ports this process gave out and may not bind yet
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS picks it; the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port free on `host` now and not handed out before by this process (the OS picks it;
+    the caller binds it soon after). The OS may offer a port it just offered again, so a stack that
+    asks for 16 ports before its children bind them would otherwise get the same one twice."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise StackError(f"no free TCP port on {host} that this process has not handed out already")
 
 
 def announce_ready(info: Any, ready_file: str | Path | None = None) -> None:
