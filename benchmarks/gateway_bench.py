@@ -144,8 +144,8 @@ async def throughput(url: str, seconds: float, concurrency: int = 32) -> float:
 
 
 def routing_figures(iters: int) -> list[tuple[int, float, float, float, float, float]]:
+    from kvlab.contract import Endpoint
     from kvlab.gateway.config import load_policy
-    from kvlab.gateway.discovery.base import Endpoint
     from kvlab.gateway.endpoints import Registry
     from kvlab.gateway.router import Router
     from kvlab.gateway.scheduler import presets

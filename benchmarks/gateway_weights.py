@@ -35,8 +35,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvlab.contract import Endpoint
 from kvlab.gateway.config import PolicyConfig, load_policy
-from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from kvlab.gateway.discovery.base import StaticDiscovery
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.load.measure import chat_body

@@ -16,10 +16,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import free_port
+from kvlab.contract import Endpoint
 from kvlab.gateway.autoscale import AutoscaleSettings, Recommender
-from kvlab.gateway.discovery.base import Endpoint
 from kvlab.gateway.discovery.file import FileDiscovery, write_endpoints
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.stack.scaler import Scaler
 from kvlab.telemetry import names
 from kvlab.telemetry.setup import configure_tracing
@@ -32,8 +32,8 @@ def exporter() -> InMemorySpanExporter:
     return exp
 
 
-def _pool(n: int, waiting: float, kv: float = 0.1, dp: int = 1) -> list[Replica]:
-    return [Replica(Endpoint(name=f"r{i}-dp{r}", url=f"http://x/{i}/{r}", dp_rank=r if dp > 1 else None,
+def _pool(n: int, waiting: float, kv: float = 0.1, dp: int = 1) -> list[Backend]:
+    return [Backend(Endpoint(name=f"r{i}-dp{r}", url=f"http://x/{i}/{r}", dp_rank=r if dp > 1 else None,
                              replica=f"r{i}" if dp > 1 else None), waiting=waiting / dp, kv_usage=kv)
             for i in range(n) for r in range(dp)]
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from conftest import free_port
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.contract import Endpoint
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.kvcache.events import BlockStored
 from kvlab.kvcache.hashing import block_keys
@@ -49,7 +49,7 @@ def test_dropped_and_resumed_stream(replay):
         pub = EventPublisher(endpoint, bind=True, replay="tcp://127.0.0.1:*" if replay else None)
         precise, approx = PreciseIndex(), ApproximateIndex()
         feed = EventFeed(precise, approx, resync_s=0.5)
-        r = Replica(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
+        r = Backend(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
         task = asyncio.create_task(feed.run(r))
         try:
             while r.events_state != "live":     # a slow joiner: publish until the subscriber hears it

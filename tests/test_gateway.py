@@ -16,8 +16,9 @@ import pytest
 from aiohttp import web
 
 from conftest import free_port
+from kvlab.contract import Endpoint
 from kvlab.gateway.config import load_policy
-from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from kvlab.gateway.discovery.base import StaticDiscovery
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys

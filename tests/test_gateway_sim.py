@@ -31,8 +31,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import free_port, span_role
+from kvlab.contract import Endpoint
 from kvlab.gateway.config import load_policy
-from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from kvlab.gateway.discovery.base import StaticDiscovery
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names

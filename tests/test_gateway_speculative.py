@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from conftest import sim_process
-from kvlab.gateway.discovery.base import Endpoint
+from kvlab.contract import Endpoint
 from kvlab.telemetry import names
 from test_gateway_sim import InProcessGateway, doc
 

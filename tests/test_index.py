@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.contract import Endpoint
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.kvevents import EventFeed
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvlab.kvcache.hashing import block_keys
@@ -65,7 +65,7 @@ def test_block_sizes_differ_per_replica():
 
 
 def _replica(name="a"):
-    return Replica(Endpoint(name=name, url="http://x"), events_state="connecting")
+    return Backend(Endpoint(name=name, url="http://x"), events_state="connecting")
 
 
 def test_feed_gap_marks_stale_and_restart_clears_both_indexes():

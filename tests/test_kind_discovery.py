@@ -29,7 +29,7 @@ from kubernetes.client import (
 )
 from kubernetes.client.rest import ApiException
 
-from kvlab.gateway.discovery.base import Endpoint
+from kvlab.contract import Endpoint
 from kvlab.gateway.discovery.kubernetes import KubernetesDiscovery, endpoints_of
 
 SELECTOR = "app.kubernetes.io/part-of=kvlab,app.kubernetes.io/component=replica"

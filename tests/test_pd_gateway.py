@@ -16,9 +16,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from conftest import free_port, span_role
+from kvlab.contract import Endpoint
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.gateway.config import PDSettings, load_policy
-from kvlab.gateway.discovery.base import Endpoint, StaticDiscovery
+from kvlab.gateway.discovery.base import StaticDiscovery
 from kvlab.gateway.pd import SPLIT, UNIFIED, decide
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer

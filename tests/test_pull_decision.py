@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.contract import Endpoint
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.pull import PullSettings, decide, hint
 
 S = PullSettings(enabled=True, min_tokens=256, link_ms_fixed=2.0, link_ms_per_token=0.02, prefill_ms_per_token=0.5)
 
 
-def _r(name: str, pending: int = 0, c: float | None = None) -> Replica:
-    r = Replica(Endpoint(name=name, url=f"http://{name}"))
+def _r(name: str, pending: int = 0, c: float | None = None) -> Backend:
+    r = Backend(Endpoint(name=name, url=f"http://{name}"))
     r.pending_prefill_tokens = pending
     r.prefill_ms_per_token = c
     return r

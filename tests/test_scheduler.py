@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS, load_policy, preset_path
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest
 from kvlab.gateway.scheduler.inflight import InflightScorer
 from kvlab.gateway.scheduler.kv_usage import KvUsageScorer
-from kvlab.gateway.scheduler.pickers import MaxScore
+from kvlab.gateway.scheduler.max_score import MaxScore
 from kvlab.gateway.scheduler.prefix import PrefixScorer
 from kvlab.gateway.scheduler.queue import QueueScorer
 
 
 def rep(name, waiting=0, inflight=0, kv=0.0):
-    return Replica(Endpoint(name=name, url=f"http://{name}"), waiting=waiting, inflight=inflight, kv_usage=kv)
+    return Backend(Endpoint(name=name, url=f"http://{name}"), waiting=waiting, inflight=inflight, kv_usage=kv)
 
 
 def test_every_shipped_preset_validates():

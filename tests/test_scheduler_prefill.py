@@ -8,9 +8,9 @@ import random
 import msgspec
 import pytest
 
+from kvlab.contract import Endpoint
 from kvlab.gateway.config import Weights, load_policy
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.prefill import PrefillBook
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest
@@ -18,8 +18,8 @@ from kvlab.gateway.scheduler.pending_prefill import PendingPrefillScorer
 from kvlab.gateway.scheduler.predicted_ttft import PredictedTtftScorer, predicted_ttft_ms
 
 
-def rep(name: str, pending: int = 0, cost: float | None = None, inflight: int = 0) -> Replica:
-    return Replica(Endpoint(name=name, url=f"http://{name}"), pending_prefill_tokens=pending,
+def rep(name: str, pending: int = 0, cost: float | None = None, inflight: int = 0) -> Backend:
+    return Backend(Endpoint(name=name, url=f"http://{name}"), pending_prefill_tokens=pending,
                    prefill_ms_per_token=cost, inflight=inflight)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvlab.contract import Endpoint
 from kvlab.gateway.config import load_policy
-from kvlab.gateway.discovery.base import Endpoint
 from kvlab.gateway.endpoints import Registry
 from kvlab.gateway.router import Router
 from kvlab.gateway.scheduler import presets

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import tokenizer_zoo
 from conftest import sim_process, span_role
-from kvlab.gateway.discovery.base import Endpoint
+from kvlab.contract import Endpoint
 from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.parity import CHAT, PROMPT, compare
 from kvlab.gateway.tokens import PromptTokenizer

@@ -11,13 +11,13 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
+from kvlab.contract import Endpoint
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.engine.sim.profile import get_profile
 from kvlab.engine.sim.replay import replay, shared_prefix_workload
 from kvlab.gateway import dp as dp_view
 from kvlab.gateway.config import load_policy
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import RouteRequest
 from kvlab.kvcache.events import BlockStored, decode_batch
@@ -84,8 +84,8 @@ def test_dp_aware_raises_hit_rate_and_lowers_worst_rank_queue_vs_rank_blind():
     assert again.hit_rate == _runs("dp-aware", 1).hit_rate   # same seed, same result
 
 
-def _rank(name: str, rank: int, replica: str = "r0", **load) -> Replica:
-    return Replica(Endpoint(name=name, url=f"http://x/{name}", dp_rank=rank, replica=replica), **load)
+def _rank(name: str, rank: int, replica: str = "r0", **load) -> Backend:
+    return Backend(Endpoint(name=name, url=f"http://x/{name}", dp_rank=rank, replica=replica), **load)
 
 
 def test_rank_reason_and_siblings_explain_the_choice():

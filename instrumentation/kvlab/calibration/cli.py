@@ -60,13 +60,17 @@ def parser() -> argparse.ArgumentParser:
 
 def _grid(a: argparse.Namespace) -> tuple[Grid, int]:
     preset = QUICK if a.quick else FULL
-    nums = lambda text, cast: [cast(x) for x in text.split(",") if x.strip()]   # noqa: E731
-    grid = Grid(nums(a.lengths or preset["lengths"], int), nums(a.fractions or preset["fractions"], float),
-                nums(a.batches or preset["batches"], int))
-    return grid, a.reps or int(preset["reps"])
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x.strip()]
+
+    grid = Grid(ints(a.lengths or str(preset["lengths"])),
+                [float(x) for x in str(a.fractions or preset["fractions"]).split(",") if x.strip()],
+                ints(a.batches or str(preset["batches"])))
+    return grid, a.reps or int(str(preset["reps"]))
 
 
-def _measure(console: Console, grid: Grid, targets: dict[str, str], reps: int, seed: int, label: str) -> dict:
+def _measure(console: Console, grid: Grid, targets: dict[str, str], reps: int, seed: int,
+             label: str) -> dict[str, Any]:
     with Progress(TextColumn(f"{label:<8}"), BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[now]}"), console=console) as progress:
         task = progress.add_task(label, total=grid.size() * reps, now="")
@@ -167,7 +171,7 @@ def calibrate(a: argparse.Namespace, console: Console) -> dict[str, Any]:
         fitm = _measure(console, grid, {"vllm": real}, reps, a.seed, "fit")
         ttft = medians([{**r, "c": r["cached"]} for r in fitm["vllm"]["ttft"]], ("n", "c"), "ttft_ms")
         itl = {b: v for (b,), v in medians(fitm["vllm"]["itl"], ("batch",), "itl_ms").items()}
-        values = fit(ttft, itl, MAX_BATCHED)
+        values: dict[str, Any] = fit(ttft, itl, MAX_BATCHED)   # floats for LatencyProfile's fields
         profile = LatencyProfile(
             description=f"kvlab's tiny model ({dtype}) on real vLLM CPU, one core, fitted by `kvlab calibrate` "
                         f"on {time.strftime('%Y-%m-%d')}",

@@ -32,11 +32,11 @@ from types import FrameType
 
 import msgspec
 
+from kvlab.contract import Endpoint
 from kvlab.doctor import DTYPES
 from kvlab.engine.flags import add_common, port_list
 from kvlab.engine.model import TinySpec, ensure_tiny, resolve_dtype, tiny_spec
 from kvlab.errors import ConfigError, StackError
-from kvlab.gateway.discovery.base import Endpoint
 from kvlab.lifecycle import announce_ready
 
 KV_TOPIC = "kv-events"

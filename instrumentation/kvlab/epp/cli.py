@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
 
-from kvlab.errors import KvlabError
 from kvlab.gateway import cli as gateway_cli
-from kvlab.gateway.config import PolicyConfig, load_policy
+from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.discovery.base import Discovery
 from kvlab.gateway.enginetokens import EngineTokens
 from kvlab.gateway.tokens import PromptTokenizer
-from kvlab.lifecycle import announce_ready, run, stop_requested
+from kvlab.lifecycle import announce_ready, stop_requested
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +29,7 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery,
     from aiohttp import web
     from grpc_health.v1 import health
 
-    from kvlab.epp.picker import Picker
+    from kvlab.epp.bridge import Bridge
     from kvlab.epp.server import server, set_health
     from kvlab.gateway.server import Gateway
 
@@ -43,7 +40,7 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery,
     await site.start()
     h = health.aio.HealthServicer()
     await set_health(h, ready=False)
-    srv = server(Picker(gw), h, args.host, args.port)
+    srv = server(Bridge(gw), h, args.host, args.port)
     await srv.start()
 
     async def ready() -> None:
@@ -60,23 +57,4 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery,
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_policy(args.policy, args.config)
-        disc = gateway_cli.discovery(args, cfg)
-        tok = gateway_cli.token_source(args, cfg)
-    except KvlabError as exc:
-        print(f"kvlab epp: {exc}", file=sys.stderr)
-        return 2
-    from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
-
-    configure_tracing("kvlab-epp")
-    try:
-        run(serve(args, cfg, disc, tok))
-    except OSError as exc:
-        print(f"kvlab epp: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_tracing()
-    return 0
+    return gateway_cli.run_server(parser().parse_args(argv), "kvlab epp", "kvlab-epp", serve)

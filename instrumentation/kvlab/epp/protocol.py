@@ -6,7 +6,7 @@ request header and in the `envoy.lb` dynamic-metadata namespace under the same k
 agree); the proxy MAY restrict the choice with a list under `envoy.lb.subset_hint` /
 `x-gateway-destination-endpoint-subset`, and reports the endpoint that actually served under
 `envoy.lb` / `x-gateway-destination-endpoint-served`. No endpoint: an immediate 503.
-This module only builds and reads messages; `exchange.py` holds the per-request state.
+This module only builds and reads messages; `stream.py` holds the per-request state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The EPP's gRPC server: Envoy's ExternalProcessor service plus the gRPC health services.
 
-One `Gateway` object is the scheduler (picker.py); it runs its discovery, load view and KV-event
+One `Gateway` object is the scheduler (bridge.py); it runs its discovery, load view and KV-event
 feeds through its own aiohttp app, served on the metrics port (/metrics, /health, /debug/endpoints).
 Health follows the protocol: `liveness` answers SERVING as soon as the process does; `readiness`
 and the ext_proc service name once discovery has delivered endpoints.
@@ -20,8 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvlab.epp import SERVICE_NAME
 from kvlab.epp import protocol as proto
-from kvlab.epp.exchange import Exchange
-from kvlab.epp.picker import Picker
+from kvlab.epp.bridge import Bridge
+from kvlab.epp.stream import Stream
 
 log = logging.getLogger("kvlab.epp")
 
@@ -29,16 +29,16 @@ log = logging.getLogger("kvlab.epp")
 class Processor:
     """One ext_proc stream per HTTP request; a failure answers that request, never the process."""
 
-    def __init__(self, picker: Picker) -> None:
-        self.picker = picker
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[ext_proc.ProcessingResponse]:
-        ex = Exchange(self.picker, self.picker.gw.cfg.limits.max_body_bytes)
+        stream = Stream(self.bridge, self.bridge.gw.cfg.limits.max_body_bytes)
         try:
             async for req in request_iterator:
                 try:
-                    replies = await ex.on(req)
+                    replies = await stream.on(req)
                 except Exception as exc:
                     log.exception("ext_proc message failed")
                     body = {"error": {"message": f"endpoint picker failed: {type(exc).__name__}",
@@ -48,7 +48,7 @@ class Processor:
                 for out in replies:
                     yield out
         finally:
-            ex.finish()     # the proxy closed the stream (client gone, request over)
+            stream.finish()     # the proxy closed the stream (client gone, request over)
 
 
 async def set_health(h: health.aio.HealthServicer, ready: bool) -> None:
@@ -58,9 +58,9 @@ async def set_health(h: health.aio.HealthServicer, ready: bool) -> None:
         await h.set(name, status)
 
 
-def server(picker: Picker, h: health.aio.HealthServicer, host: str, port: int) -> grpc.aio.Server:
+def server(bridge: Bridge, h: health.aio.HealthServicer, host: str, port: int) -> grpc.aio.Server:
     srv = grpc.aio.server()
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(Processor(picker), srv)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(Processor(bridge), srv)
     health_pb2_grpc.add_HealthServicer_to_server(h, srv)
     if srv.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")

@@ -28,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from kvlab.config import Strict
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 
 
 class AutoscaleSettings(Strict, frozen=True):
@@ -60,11 +60,11 @@ class Recommender:
         self._history: deque[tuple[float, int]] = deque()
         self.last: Recommendation | None = None
 
-    def observe(self, replicas: Iterable[Replica], now: float | None = None) -> Recommendation:
+    def observe(self, replicas: Iterable[Backend], now: float | None = None) -> Recommendation:
         """A recommendation from the current load of `replicas` (healthy endpoints)."""
         now = time.monotonic() if now is None else now
         s = self.s
-        groups: dict[str, list[Replica]] = {}
+        groups: dict[str, list[Backend]] = {}
         for r in replicas:
             groups.setdefault(r.endpoint.replica or r.name, []).append(r)
         current = len(groups)

@@ -7,12 +7,14 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError, KvlabError
 from kvlab.gateway.config import PRESETS, PolicyConfig, load_policy
-from kvlab.gateway.discovery.base import Discovery, Endpoint, StaticDiscovery
+from kvlab.gateway.discovery.base import Discovery, StaticDiscovery
 from kvlab.lifecycle import announce_ready, run, stop_requested
 
 if TYPE_CHECKING:
@@ -135,24 +137,33 @@ async def serve(args: argparse.Namespace, cfg: PolicyConfig, disc: Discovery,
     await runner.cleanup()
 
 
-def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+Serve = Callable[[argparse.Namespace, PolicyConfig, Discovery, "PromptTokenizer | EngineTokens"],
+                 Coroutine[Any, Any, None]]
+
+
+def run_server(args: argparse.Namespace, prog: str, service: str, serve: Serve, export_process: bool = False) -> int:
+    """Load the policy, discovery and tokenizer (a bad one is exit 2 with its reason), then serve
+    until SIGTERM with tracing set up as `service`; `kvlab gateway` and `kvlab epp` both start so."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_policy(args.policy, args.config)
         disc = discovery(args, cfg)
         tok = token_source(args, cfg)
     except KvlabError as exc:
-        print(f"kvlab gateway: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 
-    configure_tracing("kvlab-gateway", export_process=True)
+    configure_tracing(service, export_process=export_process)
     try:
         run(serve(args, cfg, disc, tok))
     except OSError as exc:
-        print(f"kvlab gateway: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"{prog}: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     finally:
         shutdown_tracing()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_server(parser().parse_args(argv), "kvlab gateway", "kvlab-gateway", serve, export_process=True)

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvlab.gateway.discovery.base import Endpoint
+from kvlab.contract import Endpoint
 
 
 @dataclass(slots=True)
-class Replica:
+class Backend:
     endpoint: Endpoint
     waiting: float = 0.0
     running: float = 0.0
@@ -56,12 +56,12 @@ class Registry:
     """The replica set (updated by discovery) and their health bookkeeping."""
 
     def __init__(self, eject_after_failures: int = 3, readmit_after_s: float = 2.0) -> None:
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, Backend] = {}
         self.eject_after = max(1, eject_after_failures)
         self.readmit_after_s = readmit_after_s
-        self.on_eject: Callable[[Replica], None] | None = None  # set by the server (metrics, index)
+        self.on_eject: Callable[[Backend], None] | None = None  # set by the server (metrics, index)
 
-    def update(self, endpoints: list[Endpoint]) -> tuple[list[Replica], list[Replica]]:
+    def update(self, endpoints: list[Endpoint]) -> tuple[list[Backend], list[Backend]]:
         """Apply a complete endpoint set; returns (added, removed)."""
         new = {e.name: e for e in endpoints}
         removed = [r for n, r in self.replicas.items() if n not in new or new[n] != r.endpoint]
@@ -70,23 +70,23 @@ class Registry:
         added = []
         for n, e in new.items():
             if n not in self.replicas:
-                self.replicas[n] = Replica(e)
+                self.replicas[n] = Backend(e)
                 added.append(self.replicas[n])
         return added, removed
 
-    def candidates(self, include_prefill: bool = False) -> list[Replica]:
+    def candidates(self, include_prefill: bool = False) -> list[Backend]:
         """Healthy replicas a request can be served by; prefill-role ones only when P/D is off."""
         return [r for r in self.replicas.values()
                 if r.healthy and (include_prefill or r.endpoint.role != "prefill")]
 
-    def success(self, r: Replica) -> None:
+    def success(self, r: Backend) -> None:
         r.failures = 0
         r.last_error = None
         if not r.healthy:
             r.healthy = True
             r.ejected_at = None
 
-    def failure(self, r: Replica, error: str) -> bool:
+    def failure(self, r: Backend, error: str) -> bool:
         """Count a failure; returns True when this one ejected the replica."""
         r.failures += 1
         r.last_error = error
@@ -102,6 +102,6 @@ class Registry:
             return True
         return False
 
-    def due_for_probe(self, r: Replica) -> bool:
+    def due_for_probe(self, r: Backend) -> bool:
         return r.healthy or (r.ejected_at is not None
                              and time.monotonic() - r.ejected_at >= self.readmit_after_s)

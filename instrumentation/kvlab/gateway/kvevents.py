@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.kvcache.transport import EventSubscriber, Received
 
@@ -26,14 +26,14 @@ log = logging.getLogger(__name__)
 
 class EventFeed:
     def __init__(self, precise: PreciseIndex, approx: ApproximateIndex, resync_s: float = 10.0,
-                 on_batch: Callable[[Replica, Received], None] | None = None) -> None:
+                 on_batch: Callable[[Backend, Received], None] | None = None) -> None:
         self.precise = precise
         self.approx = approx
         self.resync_s = resync_s
         self.on_batch = on_batch
         self._stale_since: dict[str, float] = {}
 
-    def ingest(self, r: Replica, rec: Received) -> None:
+    def ingest(self, r: Backend, rec: Received) -> None:
         """Apply one received batch, handling gaps and restarts first."""
         name = r.name
         if rec.restarted:
@@ -57,7 +57,7 @@ class EventFeed:
         if self.on_batch is not None:
             self.on_batch(r, rec)
 
-    async def run(self, r: Replica) -> None:
+    async def run(self, r: Backend) -> None:
         """Subscribe to `r.endpoint.kv_events` until cancelled."""
         assert r.endpoint.kv_events
         sub = EventSubscriber(r.endpoint.kv_events, replay=r.endpoint.kv_replay)

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.endpoints import Backend, Registry
 from kvlab.telemetry import names
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def parse_metrics(text: str) -> dict[str, float | dict[str, str]]:
     return out
 
 
-def apply_metrics(r: Replica, parsed: dict[str, Any]) -> None:
+def apply_metrics(r: Backend, parsed: dict[str, Any]) -> None:
     r.waiting = float(parsed.get("waiting", 0.0))
     r.running = float(parsed.get("running", 0.0))
     r.kv_usage = float(parsed.get("kv_usage", 0.0))
@@ -74,7 +74,7 @@ class LoadView:
     """Scrapes every replica due for it, concurrently, every `interval_s`."""
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession, interval_s: float = 0.2,
-                 timeout_s: float = 1.0, on_update: Callable[[Replica], None] | None = None) -> None:
+                 timeout_s: float = 1.0, on_update: Callable[[Backend], None] | None = None) -> None:
         self.registry = registry
         self.session = session
         self.interval_s = interval_s
@@ -82,7 +82,7 @@ class LoadView:
         self.on_update = on_update
         self.ejected_by_scrape = 0
 
-    async def scrape(self, r: Replica) -> None:
+    async def scrape(self, r: Backend) -> None:
         try:
             async with self.session.get(r.url + "/metrics", timeout=self.timeout) as resp:
                 if resp.status != 200:

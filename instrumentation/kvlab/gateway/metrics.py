@@ -19,7 +19,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 # per replica: name, in flight, healthy, precise blocks, approximate blocks, KV-event feed state
 Snapshot = Callable[[], Iterable[tuple[str, int, bool, int, int, str]]]
-EVENT_STATES = ("none", "connecting", "live", "stale")   # endpoints.Replica.events_state
+EVENT_STATES = ("none", "connecting", "live", "stale")   # endpoints.Backend.events_state
 
 
 class _StateCollector:

@@ -23,7 +23,7 @@ import msgspec
 from opentelemetry import trace
 
 from kvlab.errors import RequestError
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names
 
@@ -67,7 +67,7 @@ class ParityProbe:
     """Runs one probe task per new replica; `on_verdict` updates the gateway's metrics."""
 
     def __init__(self, prompts: PromptTokenizer, model: str | None = None, attempts: int = 30,
-                 retry_s: float = 1.0, on_verdict: Callable[[Replica, Verdict], None] | None = None) -> None:
+                 retry_s: float = 1.0, on_verdict: Callable[[Backend, Verdict], None] | None = None) -> None:
         self.prompts = prompts
         self.model = model
         self.attempts = attempts
@@ -84,7 +84,7 @@ class ParityProbe:
             except RequestError as exc:   # a template that rejects the sample: probe completions only
                 log.info("tokenizer parity probe: chat sample skipped: %s", exc.message)
 
-    def start(self, r: Replica) -> None:
+    def start(self, r: Backend) -> None:
         self.stop(r.name)
         self._tasks[r.name] = asyncio.create_task(self._run(r))
 
@@ -99,7 +99,7 @@ class ParityProbe:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, r: Replica) -> None:
+    async def _run(self, r: Backend) -> None:
         try:
             verdict = await self.check(r)
         except asyncio.CancelledError:
@@ -126,7 +126,7 @@ class ParityProbe:
             self.on_verdict(r, verdict)
         self._tasks.pop(r.name, None)
 
-    async def check(self, r: Replica) -> Verdict:
+    async def check(self, r: Backend) -> Verdict:
         """Compare every sample with the replica's `/tokenize` (retried while it starts)."""
         assert self.session is not None, "set .session first"
         for sample, body, local in self._samples:
@@ -138,7 +138,7 @@ class ParityProbe:
                 return verdict
         return Verdict(MATCH, " and ".join(s for s, _, _ in self._samples) + " samples identical")
 
-    async def _tokenize(self, r: Replica, body: dict[str, Any]) -> list[int] | None:
+    async def _tokenize(self, r: Backend, body: dict[str, Any]) -> list[int] | None:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=10)
         for attempt in range(self.attempts):

@@ -16,31 +16,29 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import msgspec
-from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
+from kvlab.contract import answer_decoder
 from kvlab.gateway.config import PDSettings
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend, Registry
+from kvlab.gateway.exchange import Exchange
+from kvlab.gateway.metrics import GatewayMetrics
+from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest
+from kvlab.gateway.upstream import Attempt, Call, Failure, Upstream
 from kvlab.kvcache.hashing import block_keys
-from kvlab.telemetry import genai, names
-
-if TYPE_CHECKING:
-    from kvlab.gateway.router import Routed
-    from kvlab.gateway.server import Gateway
+from kvlab.telemetry import names
 
 SPLIT, UNIFIED, FALLBACK = "split", "unified", "fallback"
 
 # what llm-d's sidecar sends to the prefill replica (NIXL protocol v2)
 PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-
 
 def decide(settings: PDSettings, prompt_tokens: int, decode_prefix_tokens: int,
            prefill_available: bool) -> tuple[str, str, int]:
@@ -67,13 +65,14 @@ class PDPlan:
 class Disaggregation:
     """The gateway's P/D step, between scheduling and the decode (upstream) call."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.settings = gw.cfg.pd
+    def __init__(self, settings: PDSettings, registry: Registry, router: Router, upstream: Upstream,
+                 metrics: GatewayMetrics, tracer: trace.Tracer) -> None:
+        self.settings, self.registry, self.router = settings, registry, router
+        self.upstream, self.metrics, self.tracer = upstream, metrics, tracer
 
-    def _prefill_replicas(self) -> list[Replica] | None:
+    def _prefill_replicas(self) -> list[Backend] | None:
         """Healthy prefill-role replicas; None when the topology has none at all (P/D off)."""
-        pool = [r for r in self.gw.registry.replicas.values() if r.endpoint.role == "prefill"]
+        pool = [r for r in self.registry.replicas.values() if r.endpoint.role == "prefill"]
         return [r for r in pool if r.healthy] if pool else None
 
     def plan(self, tokens: list[int], routed: Routed) -> PDPlan | None:
@@ -81,17 +80,16 @@ class Disaggregation:
         prefills = self._prefill_replicas() if self.settings.enabled else None
         if prefills is None:
             return None
-        gw = self.gw
-        with gw.tracer.start_as_current_span(names.SPAN_PD_DECISION) as s:
+        with self.tracer.start_as_current_span(names.SPAN_PD_DECISION) as s:
             decode = routed.decision.chosen
             decision, reason, uncached = decide(self.settings, len(tokens), decode.prefix_tokens, bool(prefills))
             plan = PDPlan(decision, reason, uncached)
             if decision == SPLIT:
                 keys = dict(routed.keys_by_size)
-                for bs in {gw.router.block_size(r) for r in prefills} - keys.keys():
+                for bs in {self.router.block_size(r) for r in prefills} - keys.keys():
                     keys[bs] = block_keys(tokens, bs)
-                prefix, _, _ = gw.router.prefix_of(prefills, keys, len(tokens))
-                d = gw.router.scheduler.schedule(RouteRequest(len(tokens)), prefills, prefix)
+                prefix, _, _ = self.router.prefix_of(prefills, keys, len(tokens))
+                d = self.router.ranker.schedule(RouteRequest(len(tokens)), prefills, prefix)
                 plan.prefill = d.ranked
                 s.set_attribute(names.PD_PREFILL_REPLICA, d.chosen.name)
                 s.set_attribute(names.PD_PREFILL_CANDIDATES, json.dumps([
@@ -101,92 +99,78 @@ class Disaggregation:
                               names.PD_UNCACHED_TOKENS: uncached, names.PD_THRESHOLD: self.settings.threshold_tokens,
                               names.PD_DECODE_REPLICA: decode.name, names.PROMPT_TOKENS: len(tokens),
                               names.PREFIX_PREDICTED_TOKENS: decode.prefix_tokens})
-        gw.metrics.pd_decisions.labels(decision, reason).inc()
+        self.metrics.pd_decisions.labels(decision, reason).inc()
         return plan
 
-    async def run(self, path: str, payload: dict[str, Any], tokens: list[int], routed: Routed,
-                  root: trace.Span, headers: dict[str, str]) -> str:
-        """Decide; when splitting, prefill and put the returned kv_transfer_params in `payload`.
+    async def run(self, ex: Exchange) -> str:
+        """Decide; when splitting, prefill and put the returned kv_transfer_params in the payload.
         Returns the span name of the call that follows (decode call after a split, else upstream)."""
-        plan = self.plan(tokens, routed)
+        assert ex.routed is not None
+        plan = self.plan(ex.tokens, ex.routed)
         if plan is None:
             return names.SPAN_UPSTREAM
-        root.set_attribute(names.PD_DECISION, plan.decision)
-        root.set_attribute(names.PD_REASON, plan.reason)
-        headers[names.HEADER_PD_DECISION] = plan.decision
+        ex.span.set_attribute(names.PD_DECISION, plan.decision)
+        ex.span.set_attribute(names.PD_REASON, plan.reason)
+        ex.facts[names.HEADER_PD_DECISION] = plan.decision
         if plan.decision != SPLIT:
             return names.SPAN_UPSTREAM
-        got = await self.prefill(path, payload, plan, root)
+        got = await self.prefill(ex, plan)
         if got is None:
-            headers[names.HEADER_PD_DECISION] = FALLBACK
+            ex.facts[names.HEADER_PD_DECISION] = FALLBACK
             return names.SPAN_UPSTREAM
         params, r = got
-        payload["kv_transfer_params"] = params
-        headers[names.HEADER_PREFILLED_BY] = r.name
-        root.set_attribute(names.PD_PREFILL_REPLICA, r.name)
+        ex.payload["kv_transfer_params"] = params
+        ex.facts[names.HEADER_PREFILLED_BY] = r.name
+        ex.span.set_attribute(names.PD_PREFILL_REPLICA, r.name)
         return names.SPAN_DECODE_CALL
 
-    async def prefill(self, path: str, payload: dict[str, Any], plan: PDPlan,
-                      root: trace.Span) -> tuple[dict[str, Any], Replica] | None:
-        """Run the remote prefill; the kv_transfer_params for the decode call and the prefill
-        replica, or None after recording the fallback to unified serving on `root`."""
-        gw = self.gw
-        assert gw.session is not None
+    async def prefill(self, ex: Exchange, plan: PDPlan) -> tuple[dict[str, Any], Backend] | None:
+        """Run the remote prefill (the same upstream calls, retries and bookkeeping as any request);
+        the kv_transfer_params for the decode call and the prefill replica, or None after recording
+        the fallback to unified serving on the request's span."""
         # one token, not streamed (llm-d's sidecar does the same); min_tokens would exceed max_tokens
-        body = {k: v for k, v in payload.items() if k not in ("stream_options", "min_tokens")}
+        body = {k: v for k, v in ex.payload.items() if k not in ("stream_options", "min_tokens")}
         body.update(kv_transfer_params=PREFILL_PARAMS, stream=False, max_tokens=1)
-        if path.endswith("chat/completions"):
+        if ex.operation == "chat":
             body["max_completion_tokens"] = 1
-        data = msgspec.json.encode(body)
-        kind, error, last = "none", "no prefill replica", None
-        for attempt, cand in enumerate(plan.prefill[: 1 + gw.cfg.limits.max_retries]):
-            r = last = cand.replica
-            call_name, attrs = genai.call_of(root, names.SPAN_PREFILL_CALL, r.url)
-            with gw.tracer.start_as_current_span(call_name, kind=SpanKind.CLIENT, attributes=attrs) as ps:
-                ps.set_attributes({names.REPLICA: r.name, names.ENDPOINT: r.url, names.SCHEDULE_ATTEMPT: attempt,
-                                   names.PREFIX_PREDICTED_TOKENS: cand.prefix_tokens})
-                headers = {"Content-Type": "application/json"}
-                propagate.inject(headers)
-                r.inflight += 1
-                r.routed += 1
+        call = Call(names.SPAN_PREFILL_CALL, ex.path, msgspec.json.encode(body), primary=False,
+                    error_label="prefill_", retry_timeouts=False)
+        got = await self.upstream.call(ex, plan.prefill, call, self._params)
+        if isinstance(got, Failure):
+            ex.span.add_event(names.EVENT_PD_FALLBACK, {
+                names.PD_REASON: f"prefill-{got.kind}", names.ERROR_TYPE: got.error,
+                names.PD_PREFILL_REPLICA: got.replica.name if got.replica else ""})
+            ex.span.set_attribute(names.PD_FALLBACK, True)
+            self.metrics.pd_decisions.labels(FALLBACK, f"prefill-{got.kind}").inc()
+            return None
+        return got
+
+    async def _params(self, at: Attempt) -> tuple[dict[str, Any], Backend] | Failure:
+        r, ps = at.cand.replica, at.span
+        kind, error = "status", f"{r.name} answered {at.resp.status}"
+        try:
+            raw = await at.resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "body"
+            error = f"{r.name}: {type(exc).__name__}: {exc}"
+        else:
+            if at.resp.status == 200:
+                at.lease.first_token()      # max_tokens 1: the answer is the first token
                 try:
-                    async with gw.session.post(r.url + path, data=data, headers=headers,
-                                               timeout=gw._timeout_unary) as resp:
-                        raw = await resp.read()
-                        ps.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
-                    if resp.status != 200:
-                        kind, error = "status", f"{r.name} answered {resp.status}"
-                    else:
-                        params, usage = _params(raw)
-                        if params is None:
-                            kind, error = "no-kv-transfer-params", f"{r.name} returned no kv_transfer_params"
-                        else:
-                            gw.registry.success(r)
-                            ps.set_attribute(names.ENGINE_CACHED_TOKENS, usage)
-                            ps.set_attribute(names.KV_TRANSFER_OFFERED_TOKENS,
-                                             _block_count(params.get("remote_block_ids")) * gw.router.block_size(r))
-                            return params, r
-                except _CONNECT_ERRORS as exc:
-                    kind, error = "connect", f"{r.name}: {type(exc).__name__}: {exc}"
-                    gw.registry.failure(r, error)
-                    ps.set_attribute(names.UPSTREAM_ERROR, kind)
-                    ps.set_status(Status(StatusCode.ERROR, error))
-                    gw.metrics.upstream_errors.labels(r.name, "prefill_connect").inc()
-                    continue          # nothing was computed: the next prefill replica may serve it
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "body"
-                    error = f"{r.name}: {type(exc).__name__}: {exc}"
-                finally:
-                    r.inflight -= 1
-                ps.set_attribute(names.UPSTREAM_ERROR, kind)
-                ps.set_status(Status(StatusCode.ERROR, error))
-                gw.metrics.upstream_errors.labels(r.name, f"prefill_{kind}").inc()
-                break
-        root.add_event(names.EVENT_PD_FALLBACK, {names.PD_REASON: f"prefill-{kind}", names.ERROR_TYPE: error,
-                                                 names.PD_PREFILL_REPLICA: last.name if last else ""})
-        root.set_attribute(names.PD_FALLBACK, True)
-        gw.metrics.pd_decisions.labels(FALLBACK, f"prefill-{kind}").inc()
-        return None
+                    answer = answer_decoder.decode(raw)
+                except msgspec.DecodeError:
+                    answer = None
+                if answer is not None and answer.kv_transfer_params is not None:
+                    ps.set_attribute(names.ENGINE_CACHED_TOKENS, answer.usage.cached_tokens if answer.usage else 0)
+                    ps.set_attribute(names.KV_TRANSFER_OFFERED_TOKENS,
+                                     _block_count(answer.kv_transfer_params.get("remote_block_ids"))
+                                     * self.router.block_size(r))
+                    return answer.kv_transfer_params, r
+                kind, error = "no-kv-transfer-params", f"{r.name} returned no kv_transfer_params"
+        ps.set_attribute(names.UPSTREAM_ERROR, kind)
+        ps.set_status(Status(StatusCode.ERROR, error))
+        self.metrics.upstream_errors.labels(r.name, f"prefill_{kind}").inc()
+        return Failure(kind, error, r)
 
     def observe_transfer(self, span: trace.Span, headers: Any) -> None:
         """A decode replica's report of its KV pull (kvlab's simulator sends it; vLLM does not)."""
@@ -198,7 +182,7 @@ class Disaggregation:
             tokens = int(headers.get(names.HEADER_KV_TRANSFER_TOKENS, 0))
         except ValueError:
             return
-        self.gw.metrics.kv_transfer.observe(seconds)
+        self.metrics.kv_transfer.observe(seconds)
         span.set_attribute(names.KV_TRANSFER_MS, seconds * 1000.0)
         span.set_attribute(names.KV_TRANSFER_TOKENS, tokens)
 
@@ -207,26 +191,3 @@ def _block_count(ids: Any) -> int:
     if not isinstance(ids, list) or not ids:
         return 0
     return len(ids[0]) if isinstance(ids[0], list) else len(ids)
-
-
-class _Details(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens_details: _Details | None = None
-
-
-class _PrefillResponse(msgspec.Struct):
-    kv_transfer_params: dict[str, Any] | None = None
-    usage: _Usage | None = None
-
-
-def _params(raw: bytes) -> tuple[dict[str, Any] | None, int]:
-    """The prefill response's kv_transfer_params and its cached tokens."""
-    try:
-        out = msgspec.json.decode(raw, type=_PrefillResponse)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, 0
-    details = out.usage.prompt_tokens_details if out.usage else None
-    return out.kv_transfer_params, (details.cached_tokens or 0) if details else 0

@@ -18,14 +18,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 
 
 @dataclass(slots=True)
 class Prefill:
     """One dispatched request's prefill, from dispatch to its first token."""
 
-    replica: Replica
+    replica: Backend
     tokens: int          # its uncached prompt tokens
     ahead: int           # the replica's pending prefill tokens when it was dispatched
     started: float       # perf_counter at dispatch
@@ -37,7 +37,7 @@ class PrefillBook:
         self.alpha = alpha
         self.min_tokens = min_tokens
 
-    def start(self, r: Replica, tokens: int) -> Prefill:
+    def start(self, r: Backend, tokens: int) -> Prefill:
         p = Prefill(r, tokens, r.pending_prefill_tokens, time.perf_counter())
         r.pending_prefill_tokens += tokens
         return p

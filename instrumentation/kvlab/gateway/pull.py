@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.config import Strict
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
 
 
 class PullSettings(Strict, frozen=True):
@@ -45,11 +45,11 @@ class PullDecision:
     costs: dict[str, float]  # estimated TTFT in ms per option
 
 
-def _c(r: Replica, s: PullSettings) -> float:
+def _c(r: Backend, s: PullSettings) -> float:
     return r.prefill_ms_per_token or s.prefill_ms_per_token
 
 
-def decide(prompt_tokens: int, holder: Replica, holder_prefix: int, target: Replica, target_prefix: int,
+def decide(prompt_tokens: int, holder: Backend, holder_prefix: int, target: Backend, target_prefix: int,
            s: PullSettings) -> PullDecision | None:
     """The cheapest of holder / pull / recompute for a prompt whose best prefix is on `holder` while
     the scheduler chose `target`; None when there is nothing to decide (same replica, or the holder's

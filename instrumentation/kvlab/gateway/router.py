@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from kvlab.errors import NoEndpointAvailable
 from kvlab.gateway.config import PolicyConfig
-from kvlab.gateway.endpoints import Registry, Replica
+from kvlab.gateway.endpoints import Backend, Registry
 from kvlab.gateway.pull import PullDecision, decide
-from kvlab.gateway.scheduler.base import Decision, RouteRequest, Scheduler
+from kvlab.gateway.scheduler.base import Decision, Ranker, RouteRequest
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 
@@ -36,17 +36,17 @@ class Routed:
 
 class Router:
     def __init__(self, cfg: PolicyConfig, registry: Registry, precise: PreciseIndex,
-                 approx: ApproximateIndex, scheduler: Scheduler) -> None:
+                 approx: ApproximateIndex, ranker: Ranker) -> None:
         self.cfg = cfg
         self.registry = registry
         self.precise = precise
         self.approx = approx
-        self.scheduler = scheduler
+        self.ranker = ranker
 
-    def block_size(self, r: Replica) -> int:
+    def block_size(self, r: Backend) -> int:
         return r.block_size or self.precise.block_size.get(r.name) or self.cfg.index.default_block_size
 
-    def uses_precise(self, r: Replica) -> bool:
+    def uses_precise(self, r: Backend) -> bool:
         return (self.cfg.index.kind == "precise" and r.events_state == "live"
                 and r.tokenizer != "tokenizer-mismatch")   # its events' keys would never match ours
 
@@ -61,12 +61,12 @@ class Router:
         t1 = time.perf_counter()
         prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
         cpu = self.cpu_only(replicas, keys_by_size, prefix, sizes, index_of)
-        decision = self.scheduler.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative, cpu)
+        decision = self.ranker.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative, cpu)
         pull = self.pull(decision, len(tokens))
         self.learn(decision.chosen.replica, keys_by_size, sizes)
         return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull)
 
-    def cpu_only(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], prefix: dict[str, int],
+    def cpu_only(self, replicas: list[Backend], keys_by_size: dict[int, list[int]], prefix: dict[str, int],
                  sizes: dict[str, int], index_of: dict[str, str]) -> dict[str, int]:
         """Of each precise replica's prefix, the tokens held only in its CPU tier (empty unless the
         policy weighs that tier and some replica reported one)."""
@@ -91,7 +91,7 @@ class Router:
             d.chosen = holder
         return p
 
-    def prefix_of(self, replicas: list[Replica], keys_by_size: dict[int, list[int]], n_tokens: int,
+    def prefix_of(self, replicas: list[Backend], keys_by_size: dict[int, list[int]], n_tokens: int,
                   sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
         """Reusable cached prefix tokens per replica, each looked up in the index it can be trusted
         in; how many of them are only speculative (precise index, not yet confirmed); and which
@@ -116,7 +116,7 @@ class Router:
             speculative[name] = max(prefix[name] - confirmed.get(name, prefix[name]), 0)
         return prefix, speculative, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
-    def learn(self, r: Replica, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
+    def learn(self, r: Backend, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
         """`r` was sent a prompt with these keys: the approximate index learns them and, when `r`
         is on the precise index, they are speculative there until its engine confirms them."""
         bs = sizes[r.name] if sizes and r.name in sizes else self.block_size(r)

@@ -30,7 +30,7 @@ NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
 
 
 @contextmanager
-def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Child, list[dict]]]:
+def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Child, list[dict[str, Any]]]]:
     """`kvlab engine sim --name NAME FLAGS` on loopback; yields (child, its replicas from the ready JSON)."""
     ready = run_dir / f"ready-{name}.json"
     ready.unlink(missing_ok=True)
@@ -43,7 +43,7 @@ def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None
 
 
 @contextmanager
-def gateway(run_dir: Path, replicas: list[dict], config: dict | None = None, policy: str = "kv-aware",
+def gateway(run_dir: Path, replicas: list[dict[str, Any]], config: dict[str, Any] | None = None, policy: str = "kv-aware",
             env: dict[str, str] | None = None) -> Iterator[tuple[Child, str]]:
     """`kvlab gateway` over `replicas` with an optional policy override; yields (child, its URL)."""
     port = free_port()
@@ -120,8 +120,8 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, opened: asyncio.Event | None = None
-                  ) -> dict:
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any], opened: asyncio.Event | None = None
+                  ) -> dict[str, Any]:
     """One streaming completion: {ok, status, replica, t_start, t_end, error}."""
     out: dict[str, Any] = {"t_start": time.monotonic(), "ok": False, "status": 0, "replica": None, "error": None}
     try:
@@ -140,13 +140,13 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, opened: 
     return out
 
 
-def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) -> dict:
+def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) -> dict[str, Any]:
     """Two replicas (separate processes), `streams` long streams round-robin over them; one replica
     is SIGKILLed once every stream is open, while new short streams arrive every 50 ms for 3 s."""
     with sim(run_dir, "sim-a", "--time-scale", "1") as (_, ra), \
             sim(run_dir, "sim-b", "--time-scale", "1") as (b, rb), \
             gateway(run_dir, ra + rb, policy="round-robin") as (_, url):
-        async def go() -> dict:
+        async def go() -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
                 long = {"prompt": "a long story", "max_tokens": max_tokens, "ignore_eos": True}
                 opened = [asyncio.Event() for _ in range(streams)]
@@ -171,7 +171,7 @@ def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) 
         return asyncio.run(go())
 
 
-def hung_replica(run_dir: Path, requests: int = 8, first_byte_s: float = 1.0) -> dict:
+def hung_replica(run_dir: Path, requests: int = 8, first_byte_s: float = 1.0) -> dict[str, Any]:
     """A replica that accepts and never answers next to a healthy one (round-robin): every request
     still succeeds, retried after `first_byte_s` when it was sent to the hung one."""
     hole = BlackHole()
@@ -212,7 +212,7 @@ def _p50_ms(url: str, n: int) -> float:
     return statistics.median(lat) * 1000
 
 
-def trace_backend_black_hole(run_dir: Path, requests: int = 200) -> dict:
+def trace_backend_black_hole(run_dir: Path, requests: int = 200) -> dict[str, Any]:
     """The same requests with traces off, to a backend that is down (refused), and to one that
     accepts and never answers: latency p50, errors, the gateway's memory."""
     hole = BlackHole()
@@ -235,14 +235,14 @@ def trace_backend_black_hole(run_dir: Path, requests: int = 200) -> dict:
         hole.close()
 
 
-def open_streams(run_dir: Path, streams: int = 1000, max_tokens: int = 32) -> dict:
+def open_streams(run_dir: Path, streams: int = 1000, max_tokens: int = 32) -> dict[str, Any]:
     """`streams` streaming requests held open at once through one gateway (two replicas in one
     simulator process): errors, the peak the gateway counted in flight, its memory before/during."""
     with sim(run_dir, "sim-wide", "--replicas", "2", "--time-scale", "0.5", "--max-num-seqs", "1024",
              "--num-blocks", "20000") as (_, reps), gateway(run_dir, reps) as (g, url):
         rss0 = rss_mb(g.pid)
 
-        async def go() -> dict:
+        async def go() -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=600)) as s:
                 opened = [asyncio.Event() for _ in range(streams)]
@@ -271,7 +271,7 @@ def scrape(url: str, name: str) -> float:
                if line.startswith(name) and line[len(name)] in " {")
 
 
-def drop_client(url: str, body: dict, read_bytes: int, ready: Callable[[], None] | None = None) -> None:
+def drop_client(url: str, body: dict[str, Any], read_bytes: int, ready: Callable[[], None] | None = None) -> None:
     """Send a completion, read `read_bytes` of the answer, call `ready` (default: wait 0.5 s when
     nothing was read, so the engine is working on it), then reset the connection."""
     host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
@@ -290,7 +290,7 @@ def drop_client(url: str, body: dict, read_bytes: int, ready: Callable[[], None]
     s.close()
 
 
-def disconnect_abort(run_dir: Path, trials: int = 5) -> dict:
+def disconnect_abort(run_dir: Path, trials: int = 5) -> dict[str, Any]:
     """Clients that drop a long generation through the gateway, mid-stream and before the first
     byte: the slowest time until the engine's `vllm:num_requests_running` and the gateway's
     in-flight count were both 0 again."""
@@ -313,7 +313,7 @@ def disconnect_abort(run_dir: Path, trials: int = 5) -> dict:
         return out
 
 
-def slowloris(run_dir: Path, connections: int = 200, idle_s: float = 2.0) -> dict:
+def slowloris(run_dir: Path, connections: int = 200, idle_s: float = 2.0) -> dict[str, Any]:
     """`connections` clients that trickle header lines and never finish a request, with the gateway's
     client_idle_s at `idle_s`: when the last was cut off, and whether a normal request was served
     meanwhile."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from kvlab.gateway.discovery.base import Endpoint
+from kvlab.contract import Endpoint
 from kvlab.gateway.discovery.file import read_endpoints, write_endpoints
 from kvlab.stack.process import Child
 from kvlab.telemetry import names

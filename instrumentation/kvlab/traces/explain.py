@@ -129,15 +129,15 @@ def counterfactual(d: Decision, policy: str = "kv-aware",
     when the span lacks the per-replica load inputs, as spans from before they were recorded do."""
     if not d.candidates or any(k not in c.extra for c in d.candidates for k in _INPUTS):
         return None
+    from kvlab.contract import Endpoint
     from kvlab.gateway.config import load_policy
-    from kvlab.gateway.discovery.base import Endpoint
-    from kvlab.gateway.endpoints import Replica
+    from kvlab.gateway.endpoints import Backend
     from kvlab.gateway.scheduler import presets
     from kvlab.gateway.scheduler.base import RouteRequest
 
-    def replica(c: Candidate) -> Replica:
+    def replica(c: Candidate) -> Backend:
         cost = c.extra.get("prefill_ms_per_token")
-        return Replica(Endpoint(name=c.replica, url=""), waiting=_num(c, "waiting"), running=_num(c, "running"),
+        return Backend(Endpoint(name=c.replica, url=""), waiting=_num(c, "waiting"), running=_num(c, "running"),
                        kv_usage=_num(c, "kv_usage"), inflight=int(_num(c, "inflight")),
                        inflight_tokens=int(_num(c, "inflight_tokens")),
                        pending_prefill_tokens=int(_num(c, "pending_prefill_tokens")),

@@ -1,7 +1,7 @@
 """Offline replay in virtual time: a workload routed by the gateway's scheduler onto simulated
 data-parallel ranks stepping in lockstep, with no clock, sockets or HTTP.
 
-It runs the real parts (the gateway's `Scheduler` with its scorers and picker, the simulator's
+It runs the real parts (the gateway's `Ranker` with its scorers and picker, the simulator's
 `Scheduler`/`BlockPool` per rank, `dp.LockstepGroup`'s step cost with the MoE model) and only
 replaces time: arrivals and step ends are processed in order of virtual time. The router sees
 what the live gateway would see with a precise KV-event index and fresh scrapes: each rank's
@@ -14,16 +14,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.dp import LockstepGroup
 from kvlab.engine.sim.engine import Engine
 from kvlab.engine.sim.moe import MoeModel
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import FINISHED, Batch, Request, Scheduler
-from kvlab.gateway.discovery.base import Endpoint
-from kvlab.gateway.endpoints import Replica as Target
+from kvlab.gateway.endpoints import Backend as Target
+from kvlab.gateway.scheduler.base import Ranker as Router
 from kvlab.gateway.scheduler.base import RouteRequest
-from kvlab.gateway.scheduler.base import Scheduler as Router
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.engine import Engine
 from kvlab.engine.sim.metrics import ReplicaMetrics
@@ -16,7 +17,6 @@ from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import Scheduler
 from kvlab.engine.sim.transfer import KVTransfer
-from kvlab.gateway.discovery.base import Endpoint
 from kvlab.kvcache.transport import EventPublisher
 from kvlab.tokenizer import Tokenizer
 

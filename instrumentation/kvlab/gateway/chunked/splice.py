@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kvlab.errors import RequestError
 from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.chunked.slots import CLASSES, SlotQueue, class_rank
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.endpoints import Backend
+from kvlab.gateway.exchange import Exchange
 from kvlab.telemetry import names
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -87,7 +88,7 @@ class ChunkedDecode:
     """The gateway stage: per-replica slot queues and the chunk loop."""
 
     def __init__(self, settings: ChunkedSettings, registry: CollectorRegistry, tracer: trace.Tracer,
-                 block_size: Callable[[Replica], int]) -> None:
+                 block_size: Callable[[Backend], int]) -> None:
         self.settings = settings
         self.metrics = ChunkMetrics(registry)
         self.tracer = tracer
@@ -113,24 +114,25 @@ class ChunkedDecode:
             return 0            # token-id and batched prompts: the generated ids are not returned
         return n
 
-    def queue(self, r: Replica) -> SlotQueue:
+    def queue(self, r: Backend) -> SlotQueue:
         q = self.queues.get(r.name)
         if q is None:
             s = self.settings
             q = self.queues[r.name] = SlotQueue(s.slots_per_replica, s.reserved_slots, s.aging_s)
         return q
 
-    async def serve(self, request: web.Request, span: trace.Span, session: aiohttp.ClientSession,
-                    timeout: aiohttp.ClientTimeout, r: Replica, payload: dict[str, Any], operation: str,
-                    chunk_tokens: int, headers: dict[str, str], client_usage: bool,
-                    on_first_token: Callable[[], None],
+    async def serve(self, request: web.Request, ex: Exchange, session: aiohttp.ClientSession,
+                    timeout: aiohttp.ClientTimeout, on_first_token: Callable[[], None],
                     on_usage: Callable[[dict[str, Any]], None]) -> web.StreamResponse:
-        stream = bool(payload.get("stream"))
+        """Generate `ex` in chunks on the replica it was routed to (`ex.served`)."""
+        assert ex.served is not None
+        r, payload, operation, span = ex.served.replica, ex.payload, ex.operation, ex.span
+        stream, client_usage, chunk_tokens = ex.stream, ex.client_usage, ex.chunk_tokens
         limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
         min_tokens = payload.get("min_tokens") or 0
         rank = class_rank(request.headers.get(names.HEADER_PRIORITY) or self.settings.default_priority)
         tenant = request.headers.get(names.HEADER_TENANT, "default")
-        path = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
+        path = ex.path
         q = self.queue(r)
         out: web.StreamResponse | None = None
         generated, total, index = "", 0, 0
@@ -150,7 +152,7 @@ class ChunkedDecode:
             try:
                 with self.tracer.start_as_current_span(names.SPAN_CHUNK, kind=SpanKind.CLIENT) as cs:
                     last, out = await self._call(session, timeout, r, path, body, stream, ident, out, request,
-                                                 headers, on_first_token)
+                                                 ex.headers, on_first_token)
                     self._record(cs, r, index, n, waited, reason, rank, tenant, last)
             finally:
                 q.release()
@@ -165,10 +167,10 @@ class ChunkedDecode:
                 break
         span.set_attribute(names.CHUNK_COUNT, index)
         span.set_attribute(names.CHUNK_PRIORITY, CLASSES[rank])
-        return await self._finish(span, r, out, first, last, generated, total, stream, client_usage, headers,
+        return await self._finish(span, r, out, first, last, generated, total, stream, client_usage, ex.headers,
                                   operation, on_usage)
 
-    def _record(self, cs: trace.Span, r: Replica, index: int, n: int, waited: float, reason: str, rank: int,
+    def _record(self, cs: trace.Span, r: Backend, index: int, n: int, waited: float, reason: str, rank: int,
                 tenant: str, c: _Chunk) -> None:
         cls = CLASSES[rank]
         self.metrics.chunks.labels(cls).inc()
@@ -193,14 +195,13 @@ class ChunkedDecode:
         if c.error is not None or c.status != 200:
             cs.set_status(Status(StatusCode.ERROR, f"chunk failed with {c.status}"))
 
-    async def _call(self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout, r: Replica, path: str,
+    async def _call(self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout, r: Backend, path: str,
                     body: dict[str, Any], stream: bool, ident: dict[str, Any], out: web.StreamResponse | None,
-                    request: web.Request, headers: dict[str, str],
+                    request: web.Request, headers: Callable[[], dict[str, str]],
                     on_first_token: Callable[[], None]) -> tuple[_Chunk, web.StreamResponse | None]:
         c = _Chunk()
         up_headers = {"Content-Type": "application/json"}
         propagate.inject(up_headers)
-        r.inflight += 1
         try:
             async with session.post(r.url + path, data=msgspec.json.encode(body), headers=up_headers,
                                     timeout=timeout) as resp:
@@ -223,12 +224,10 @@ class ChunkedDecode:
             c.error = msgspec.json.encode({"error": {"message": f"{r.name}: {type(exc).__name__}: {exc}",
                                                      "type": "UpstreamError", "param": None, "code": 502}})
             return c, out
-        finally:
-            r.inflight -= 1
 
     async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, ident: dict[str, Any],
                      out: web.StreamResponse | None,
-                     request: web.Request, headers: dict[str, str],
+                     request: web.Request, headers: Callable[[], dict[str, str]],
                      on_first_token: Callable[[], None]) -> tuple[_Chunk, web.StreamResponse | None]:
         """Relay one chunk's events: later chunks lose the role delta, no chunk but the last keeps a
         finish_reason (decided by the caller: `length` is held back and re-sent at the end), no usage."""
@@ -275,7 +274,7 @@ class ChunkedDecode:
             if send:
                 if out is None:
                     out = web.StreamResponse(status=200, headers={
-                        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                        **headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     on_first_token()
                 await out.write(b"".join(send))
@@ -283,9 +282,9 @@ class ChunkedDecode:
                 break
         return c, out
 
-    async def _finish(self, span: trace.Span, r: Replica, out: web.StreamResponse | None, first: _Chunk | None,
+    async def _finish(self, span: trace.Span, r: Backend, out: web.StreamResponse | None, first: _Chunk | None,
                       last: _Chunk, generated: str, total: int, stream: bool, client_usage: bool,
-                      headers: dict[str, str], operation: str,
+                      headers: Callable[[], dict[str, str]], operation: str,
                       on_usage: Callable[[dict[str, Any]], None]) -> web.StreamResponse:
         usage: dict[str, Any] | None = None
         if first is not None:
@@ -300,7 +299,7 @@ class ChunkedDecode:
         if not stream or out is None:
             if failed:      # nothing reached the client yet: the upstream error as it was
                 return web.Response(body=last.error, status=last.status if last.status != 200 else 502,
-                                    headers={**headers, "Content-Type": "application/json"})
+                                    headers={**headers(), "Content-Type": "application/json"})
             assert first is not None and isinstance(first.first, dict)
             obj = dict(first.first)
             ch = dict(obj["choices"][0])
@@ -312,7 +311,7 @@ class ChunkedDecode:
             obj["choices"] = [ch]
             obj["usage"] = usage
             return web.Response(body=msgspec.json.encode(obj), status=200,
-                                headers={**headers, "Content-Type": "application/json"})
+                                headers={**headers(), "Content-Type": "application/json"})
         tail = b""
         if failed:
             tail += last.error if last.error and last.error.startswith(b"data: ") else (

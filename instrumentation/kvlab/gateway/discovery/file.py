@@ -10,7 +10,8 @@ import json
 import logging
 from pathlib import Path
 
-from kvlab.gateway.discovery.base import Discovery, Endpoint, OnChange
+from kvlab.contract import Endpoint
+from kvlab.gateway.discovery.base import Discovery, OnChange
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import logging
 import threading
 from typing import Any
 
-from kvlab.gateway.discovery.base import Discovery, Endpoint, OnChange
+from kvlab.contract import Endpoint
+from kvlab.gateway.discovery.base import Discovery, OnChange
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,25 @@
-"""The scheduling pipeline and its data: candidates, scorers, the decision.
+"""The scheduling pipeline and its data: candidates, the plug-in interfaces, the decision.
 
-filters drop replicas over a load threshold (unless that would drop all of them); every scorer
-maps each candidate to [0, 1]; the total is the weighted sum; the picker chooses. Cache-blind
-pickers (round robin, random) still get every score, so the decision shows what a KV-aware
-choice would have been ("shadow scoring").
+Filters drop candidates (a replica over a load threshold, unless that would drop all of them);
+every scorer maps each candidate to [0, 1]; the total is the weighted sum; the picker chooses.
+Cache-blind pickers (round robin, random) still get every score, so the decision shows what a
+KV-aware choice would have been ("shadow scoring"). Plug-ins are registered by name (registry.py).
 """
 
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass, field
+from typing import Self
 
-from kvlab.gateway.config import PolicyConfig, Thresholds
-from kvlab.gateway.endpoints import Replica
+from kvlab.gateway.config import PolicyConfig
+from kvlab.gateway.endpoints import Backend
 
 
 @dataclass(slots=True)
 class Candidate:
-    replica: Replica
+    replica: Backend
     prefix_tokens: int = 0
     speculative_tokens: int = 0      # the part of prefix_tokens not yet confirmed by the engine
     cpu_tokens: int = 0              # the part of prefix_tokens held only in the CPU tier (docs/tiered.md)
@@ -54,34 +56,47 @@ class Decision:
         return self.chosen.speculative_tokens
 
 
-class Scorer(abc.ABC):
-    """Maps each candidate to a score in [0, 1]; higher is better."""
+class Plugin(abc.ABC):
+    """A filter, scorer or picker: `name` is what a policy file calls it (registry.py)."""
 
     name: str
+
+    @classmethod
+    def from_policy(cls, cfg: PolicyConfig, rng: random.Random) -> Self:
+        """The plug-in configured for a policy (override to read its settings)."""
+        return cls()
+
+
+class Filter(Plugin):
+    """Drops candidates that should not be chosen now."""
+
+    @abc.abstractmethod
+    def drop(self, candidates: list[Candidate]) -> list[str]:
+        """Names of the candidates to drop."""
+
+
+class Scorer(Plugin):
+    """Maps each candidate to a score in [0, 1]; higher is better."""
 
     @abc.abstractmethod
     def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]: ...
 
 
-class Picker(abc.ABC):
-    name: str
+class Picker(Plugin):
+    """Orders the candidates to try; `rng` breaks ties (seeded in tests and replays)."""
+
     shadow: bool = False
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    @classmethod
+    def from_policy(cls, cfg: PolicyConfig, rng: random.Random) -> Self:
+        return cls(rng)
 
     @abc.abstractmethod
     def pick(self, candidates: list[Candidate]) -> list[Candidate]:
         """All candidates in the order to try; the first is the choice."""
-
-
-def apply_thresholds(cands: list[Candidate], t: Thresholds) -> tuple[list[Candidate], list[str]]:
-    def over(c: Candidate) -> bool:
-        r = c.replica
-        return ((t.max_waiting is not None and r.waiting > t.max_waiting)
-                or (t.max_kv_usage is not None and r.kv_usage > t.max_kv_usage)
-                or (t.max_inflight is not None and r.inflight > t.max_inflight))
-    kept = [c for c in cands if not over(c)]
-    if not kept:   # everyone is overloaded: filtering would only refuse work
-        return cands, []
-    return kept, [c.name for c in cands if over(c)]
 
 
 def normalised_inverse(values: list[float]) -> list[float]:
@@ -92,18 +107,21 @@ def normalised_inverse(values: list[float]) -> list[float]:
     return [1.0 - v / top for v in values]
 
 
-class Scheduler:
-    def __init__(self, cfg: PolicyConfig, scorers: list[Scorer], picker: Picker) -> None:
-        self.cfg = cfg
+class Ranker:
+    def __init__(self, filters: list[Filter], scorers: list[tuple[Scorer, float]], picker: Picker) -> None:
+        self.filters = filters
         self.picker = picker
-        weights = {"prefix": cfg.weights.prefix, "queue": cfg.weights.queue,
-                   "kv_usage": cfg.weights.kv_usage, "inflight": cfg.weights.inflight,
-                   "inflight_tokens": cfg.weights.inflight_tokens,
-                   "pending_prefill": cfg.weights.pending_prefill, "predicted_ttft": cfg.weights.predicted_ttft}
-        self.scorers = [(s, weights[s.name]) for s in scorers]
-        self.weights = {s.name: w for s, w in self.scorers}
+        self.scorers = scorers
+        self.weights = {s.name: w for s, w in scorers}
 
-    def schedule(self, req: RouteRequest, replicas: list[Replica], prefix: dict[str, int],
+    def _filter(self, cands: list[Candidate]) -> tuple[list[Candidate], list[str]]:
+        dropped = {name for f in self.filters for name in f.drop(cands)}
+        kept = [c for c in cands if c.name not in dropped]
+        if not kept:   # everyone is overloaded: filtering would only refuse work
+            return cands, []
+        return kept, [c.name for c in cands if c.name in dropped]
+
+    def schedule(self, req: RouteRequest, replicas: list[Backend], prefix: dict[str, int],
                  speculative: dict[str, int] | None = None, cpu: dict[str, int] | None = None) -> Decision:
         """Pick among `replicas` (non-empty, already healthy); `prefix` maps name -> cached tokens,
         `speculative` name -> how many of them are not yet confirmed."""
@@ -111,7 +129,7 @@ class Scheduler:
         offloaded = cpu or {}
         cands = [Candidate(r, prefix.get(r.name, 0), spec.get(r.name, 0), offloaded.get(r.name, 0)) for r in replicas]
         available = max((c.prefix_tokens for c in cands), default=0)
-        kept, filtered = apply_thresholds(cands, self.cfg.thresholds)
+        kept, filtered = self._filter(cands)
         for scorer, w in self.scorers:
             for c, s in zip(kept, scorer.score(req, kept)):
                 c.scores[scorer.name] = s

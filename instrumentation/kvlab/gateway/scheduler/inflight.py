@@ -4,8 +4,10 @@ and instantaneous, unlike the scraped queue which lags by up to one scrape inter
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer, normalised_inverse
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class InflightScorer(Scorer):
     name = "inflight"
 

@@ -6,8 +6,10 @@ Counted at dispatch as prompt tokens minus the predicted cached prefix (the toke
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer, normalised_inverse
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class InflightTokensScorer(Scorer):
     name = "inflight_tokens"
 

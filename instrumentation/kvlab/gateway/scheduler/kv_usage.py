@@ -4,8 +4,10 @@ means evictions (lost prefixes) and preemptions."""
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class KvUsageScorer(Scorer):
     name = "kv_usage"
 

@@ -7,8 +7,10 @@ busy with one long cache miss scores worse than one serving several cache hits."
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer, normalised_inverse
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class PendingPrefillScorer(Scorer):
     name = "pending_prefill"
 

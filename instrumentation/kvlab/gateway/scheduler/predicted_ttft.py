@@ -10,6 +10,7 @@ none has: then the prediction ranks by tokens alone)."""
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer, normalised_inverse
+from kvlab.gateway.scheduler.registry import plugin
 
 
 def predicted_ttft_ms(req: RouteRequest, candidates: list[Candidate]) -> list[float]:
@@ -23,6 +24,7 @@ def predicted_ttft_ms(req: RouteRequest, candidates: list[Candidate]) -> list[fl
     return out
 
 
+@plugin
 class PredictedTtftScorer(Scorer):
     name = "predicted_ttft"
 

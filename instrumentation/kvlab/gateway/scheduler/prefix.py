@@ -4,15 +4,25 @@ only in a replica's CPU tier count `cpu` (they are loaded, not recomputed: docs/
 
 from __future__ import annotations
 
+import random
+from typing import Self
+
+from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class PrefixScorer(Scorer):
     name = "prefix"
 
     def __init__(self, gpu: float = 1.0, cpu: float = 0.8) -> None:
         self.gpu = gpu
         self.cpu = cpu
+
+    @classmethod
+    def from_policy(cls, cfg: PolicyConfig, rng: random.Random) -> Self:
+        return cls(cfg.index.tiers.gpu, cfg.index.tiers.cpu)
 
     def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
         n = max(req.prompt_tokens, 1)

@@ -1,24 +1,20 @@
-"""Build a Scheduler from a PolicyConfig (presets live in kvlab/assets/policies/*.yaml)."""
+"""Build a Ranker from a PolicyConfig (presets live in kvlab/assets/policies/*.yaml) out of the
+registered plug-ins (registry.py)."""
 
 from __future__ import annotations
 
 import random
 
 from kvlab.gateway.config import PolicyConfig
-from kvlab.gateway.scheduler import pickers
-from kvlab.gateway.scheduler.base import Scheduler
-from kvlab.gateway.scheduler.inflight import InflightScorer
-from kvlab.gateway.scheduler.inflight_tokens import InflightTokensScorer
-from kvlab.gateway.scheduler.kv_usage import KvUsageScorer
-from kvlab.gateway.scheduler.pending_prefill import PendingPrefillScorer
-from kvlab.gateway.scheduler.predicted_ttft import PredictedTtftScorer
-from kvlab.gateway.scheduler.prefix import PrefixScorer
-from kvlab.gateway.scheduler.queue import QueueScorer
+from kvlab.gateway.scheduler.base import Ranker
+from kvlab.gateway.scheduler.registry import FILTERS, PICKERS, SCORERS, named
 
 
-def build(cfg: PolicyConfig, rng: random.Random | None = None) -> Scheduler:
-    """Every scorer always runs (so spans show all scores); a zero weight only removes its say."""
-    tiers = cfg.index.tiers
-    scorers = [PrefixScorer(tiers.gpu, tiers.cpu), QueueScorer(), KvUsageScorer(), InflightScorer(),
-               InflightTokensScorer(), PendingPrefillScorer(), PredictedTtftScorer()]
-    return Scheduler(cfg, scorers, pickers.make(cfg.picker, rng))
+def build(cfg: PolicyConfig, rng: random.Random | None = None) -> Ranker:
+    """Every filter and scorer always runs (so spans show all scores); a zero weight only removes
+    a scorer's say; the policy's `picker` chooses."""
+    rng = rng or random.Random()
+    filters = [f.from_policy(cfg, rng) for f in FILTERS.values()]
+    scorers = [(s.from_policy(cfg, rng), float(getattr(cfg.weights, name))) for name, s in SCORERS.items()]
+    picker = named(PICKERS, "picker")(cfg.picker).from_policy(cfg, rng)
+    return Ranker(filters, scorers, picker)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest, Scorer, normalised_inverse
+from kvlab.gateway.scheduler.registry import plugin
 
 
+@plugin
 class QueueScorer(Scorer):
     name = "queue"
 

@@ -15,6 +15,7 @@ import random
 from collections import defaultdict
 
 from kvlab.gateway.scheduler.base import Candidate, Picker
+from kvlab.gateway.scheduler.registry import plugin
 
 
 def replica_of(c: Candidate) -> str:
@@ -22,12 +23,13 @@ def replica_of(c: Candidate) -> str:
     return e.replica or e.name
 
 
+@plugin
 class RankBlind(Picker):
     name = "rank-blind"
     shadow = True   # the scores chose the replica but not the rank
 
     def __init__(self, rng: random.Random | None = None) -> None:
-        self.rng = rng or random.Random()
+        super().__init__(rng)
         self._turn: dict[str, int] = defaultdict(int)
 
     def pick(self, candidates: list[Candidate]) -> list[Candidate]:

@@ -20,11 +20,11 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvlab import httpedge
+from kvlab.contract import answer_decoder
 from kvlab.epp import DESTINATION_HEADER
 from kvlab.epp import protocol as proto
-from kvlab.epp.picker import OPERATIONS, Pick, Picker
+from kvlab.epp.bridge import OPERATIONS, Bridge, Pick
 from kvlab.errors import NoEndpointAvailable, RequestError
-from kvlab.gateway.server import _usage_decoder
 from kvlab.telemetry import names
 
 _BUFFERED = "BUFFERED"
@@ -36,12 +36,12 @@ def _unavailable(message: str) -> ext_proc.ProcessingResponse:
     return proto.immediate(503, msgspec.json.encode(body))
 
 
-class Exchange:
+class Stream:
     """The state of one request; `on(message)` returns the messages to send back."""
 
-    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
-        self.picker = picker
-        self.tracer = picker.gw.tracer
+    def __init__(self, bridge: Bridge, max_body_bytes: int) -> None:
+        self.bridge = bridge
+        self.tracer = bridge.gw.tracer
         self.max_body = max_body_bytes
         self.req_mode = self.resp_mode = proto.FULL_DUPLEX
         self.headers: dict[str, str] = {}
@@ -82,7 +82,7 @@ class Exchange:
         self.allowed = proto.subset_hint(req)
         self.span = self.tracer.start_span(names.SPAN_EPP_REQUEST, context=propagate.extract(self.headers),
                                            kind=SpanKind.SERVER)
-        self.span.set_attribute(names.POLICY, self.picker.policy)
+        self.span.set_attribute(names.POLICY, self.bridge.policy)
         path = self.headers.get(":path", "").split("?", 1)[0]
         if req.request_headers.end_of_stream:
             if path in OPERATIONS:
@@ -119,19 +119,12 @@ class Exchange:
         path = self.headers.get(":path", "").split("?", 1)[0]
         try:
             with trace.use_span(span, end_on_exit=False):
-                tokens = await self.picker.tokens(body, path) if self.body else []
-                span.set_attribute(names.PROMPT_TOKENS, len(tokens))
-                self.pick = self.picker.pick(tokens, self.allowed)
+                self.pick = await self.bridge.pick(span, body, path if self.body else "", self.t_start, self.allowed)
         except RequestError as err:
             return self._fail(err)
         except NoEndpointAvailable as err:
             return self._fail_unavailable(str(err))
         p = self.pick
-        d = p.routed.decision
-        span.set_attribute(names.REPLICA, p.replica.name)
-        span.set_attribute(names.PREFIX_AVAILABLE_TOKENS, d.available_tokens)
-        span.set_attribute(names.PREFIX_PREDICTED_TOKENS, d.predicted_tokens)
-        span.set_attribute(names.PREFIX_SPECULATIVE_TOKENS, d.speculative_tokens)
         upstream = {DESTINATION_HEADER: ",".join(p.endpoints)}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(upstream)      # the replica's engine.request continues this trace
@@ -162,15 +155,14 @@ class Exchange:
         if self.pick is not None and self.span is not None:
             served = proto.served_endpoint(req)
             if served and served != self.pick.endpoints[0]:
-                r = self.picker.by_address(served)
+                r = self.bridge.by_address(served)
                 if r is not None:
-                    self.picker.serve(self.pick, r)
-                    self.span.set_attribute(names.REPLICA, r.name)
+                    self.bridge.serve(self.pick, r)
             status = int(h.get(":status", "0") or 0)
             self.span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, status)
-            self.picker.count(self.pick, status)
+            self.bridge.count(self.pick, status)
             self.sse = h.get("content-type", "").startswith("text/event-stream")
-            extra = dict(self.pick.headers)
+            extra = self.pick.ex.headers()
         out = [proto.response_headers(proto.common(extra))]
         if req.response_headers.end_of_stream:
             self.finish()
@@ -180,7 +172,7 @@ class Exchange:
         chunk = bytes(body.body)
         if self.pick is not None and chunk and self.first:
             self.first = False
-            self.picker.first_token(self.pick, self.t_start)
+            self.bridge.first_token(self.pick)
         if self.sse:
             chunk = self._events(chunk, body.end_of_stream)
         elif len(self.resp_body) + len(chunk) <= self.max_body:
@@ -211,11 +203,11 @@ class Exchange:
 
     def _usage(self, data: bytes) -> Any:
         try:
-            parsed = _usage_decoder.decode(data)
+            parsed = answer_decoder.decode(data)
         except msgspec.DecodeError:
             return None
-        if parsed.usage is not None and self.pick is not None and self.span is not None:
-            self.picker.delivered(self.pick, self.span, parsed.usage)
+        if parsed.usage is not None and self.pick is not None:
+            self.bridge.delivered(self.pick, parsed.usage)
         return parsed
 
     # ---- endings -----------------------------------------------------------------------------
@@ -224,7 +216,7 @@ class Exchange:
             self.span.set_status(Status(StatusCode.ERROR, err.message))
             self.span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, err.status)
         self.finish()
-        return [proto.error(err, {names.HEADER_POLICY: self.picker.policy})]
+        return [proto.error(err, {names.HEADER_POLICY: self.bridge.policy})]
 
     def _fail_unavailable(self, message: str) -> list[ext_proc.ProcessingResponse]:
         if self.span is not None:
@@ -239,6 +231,6 @@ class Exchange:
             return
         self.done = True
         if self.pick is not None:
-            self.picker.release(self.pick)
+            self.bridge.release(self.pick)
         if self.span is not None:
             self.span.end()
