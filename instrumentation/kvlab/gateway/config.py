@@ -22,7 +22,7 @@ from kvlab.gateway.retention import RetentionSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
            "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull", "kv-aware-chunked", "kv-aware-chunked-16",
-           "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all")
+           "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all", "kv-aware-affinity")
 
 
 class Weights(Strict, frozen=True):
