@@ -75,11 +75,13 @@ class FakeCore:
 
 def install(spec_file: str) -> FakeCore:
     """Point this process's cluster path at the fake cluster `spec_file` describes:
-    {"services": {"baseline": url, "gateway": url}, "pods": {name: url | null}, "log": path}."""
+    {"services": {"baseline": url, "gateway": url}, "pods": {name: url | null}, "refusing": [name],
+    "log": path}; a pod without a URL is Pending unless it is `refusing`."""
     from kvlab.stack.kind import caches, forward
 
     spec = json.loads(Path(spec_file).read_text())
-    core = FakeCore([pod(name, ready=url is not None) for name, url in spec["pods"].items()],
+    refusing = spec.get("refusing", [])     # ready pods that answer 404 (vLLM without VLLM_SERVER_DEV_MODE)
+    core = FakeCore([pod(name, ready=url is not None or name in refusing) for name, url in spec["pods"].items()],
                     {k: v for k, v in spec["pods"].items() if v}, Path(spec["log"]))
 
     def cluster_target(target: str = "gateway", context: str | None = "kind-kvlab", namespace: str = "kvlab",
