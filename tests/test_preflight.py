@@ -20,12 +20,13 @@ from kubernetes.client import (
     V1PersistentVolumeClaimStatus,
     V1Pod,
     V1PodCondition,
+    V1PodList,
     V1PodStatus,
 )
 from kubernetes.client.exceptions import ApiException
 
 from kvlab.stack.kind import preflight, versions
-from kvlab.stack.kind.manifests import GPU_NODE_LABEL, Cluster, gpu_support
+from kvlab.stack.kind.manifests import GPU_NODE_LABEL, REPLICA_SELECTOR, Cluster, gpu_support
 from kvlab.topology import builtin, load_topology
 
 GPU1 = load_topology(builtin("gpu-1"))          # 4 replicas, 4 slots on one GPU, sized for 22 GiB
@@ -58,12 +59,17 @@ class FakeCore:
                  plugin_config: dict[str, str] | None = None) -> None:
         self.nodes, self.pods, self.log, self.claim = nodes, list(pods), log, claim
         self.plugin_config = plugin_config if plugin_config is not None else _plugin_config(GPU1)
+        self.replicas: list[V1Pod] = []     # vLLM replica pods already running (a redeploy)
         self.created: list[dict] = []
         self.deleted: list[str] = []
 
     def list_node(self, label_selector: str = "", **_) -> V1NodeList:
         assert label_selector == f"{GPU_NODE_LABEL}=true"
         return V1NodeList(items=self.nodes)
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_) -> V1PodList:
+        assert (namespace, label_selector) == ("kvlab", REPLICA_SELECTOR)
+        return V1PodList(items=self.replicas)
 
     def create_namespaced_pod(self, namespace: str, body: dict, **_) -> None:
         self.created.append(body)
@@ -169,3 +175,20 @@ def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
         runner.run(steps)
     out = runner.out.getvalue()
     assert "FAIL GPU slots" in out and "4 replicas need 4" in out and not applied
+
+
+def test_a_redeploy_skips_the_probe_its_replicas_would_starve():
+    """All 4 slots are held by the running replicas: a probe pod would stay Pending (unschedulable),
+    so the preflight says the GPU path already works and creates no pod."""
+    serving = V1Pod(metadata=V1ObjectMeta(name="kvlab-replicas-x", namespace="kvlab"),
+                    status=V1PodStatus(phase="Running", pod_ip="10.244.1.5",
+                                       conditions=[V1PodCondition(type="Ready", status="True")]))
+    core = FakeCore([_node("kvlab-worker", "4")], [_pod("Pending", unschedulable="0/2 nodes are available: "
+                                                         "2 Insufficient nvidia.com/gpu.")], claim=True)
+    core.replicas = [serving, serving]
+    checks = _run(core)
+    assert all(c.ok for c in checks.values()), checks
+    assert "2 vLLM replica pod(s) already serve" in checks["GPU in a pod"].detail
+    assert not core.created and "GPU memory" not in checks
+    core.replicas = []       # a first deploy probes (here: starved by something else, and said so)
+    assert "Insufficient nvidia.com/gpu" in _run(core)["GPU in a pod"].detail and core.created

@@ -184,6 +184,14 @@ def model_cache(core: Any, cluster: m.Cluster) -> Check:
     return Check("model cache", True, f"{gpu.MODEL_CACHE_CLAIM} {claim.status.phase}, kept across redeploys")
 
 
+def running_replicas(core: Any, cluster: m.Cluster) -> int:
+    """Ready vLLM replica pods already in the namespace (a redeploy)."""
+    from kvlab.gateway.discovery.kubernetes import pod_ready
+
+    pods = core.list_namespaced_pod(cluster.namespace, label_selector=m.REPLICA_SELECTOR).items
+    return sum(1 for p in pods if pod_ready(p))
+
+
 def report(checks: list[Check]) -> tuple[bool, list[str]]:
     """(passed, one line per check) — a failed fatal check fails the whole preflight."""
     lines = [f"{'ok ' if c.ok else 'FAIL' if c.fatal else 'note'} {c.name:<13} {c.detail}" for c in checks]
@@ -197,7 +205,12 @@ def run(core: Any, cluster: m.Cluster, topology: Topology, say: Callable[[str], 
     if checks[-1].ok:
         checks.append(sharing(core, topology))
     if checks[-1].ok:
-        checks += probe(core, cluster, topology, timeout_s, say, poll_s)
+        serving = running_replicas(core, cluster)
+        if serving:     # a redeploy: they hold the slots the probe would wait for, and show the GPU path works
+            checks.append(Check("GPU in a pod", True, f"{serving} vLLM replica pod(s) already serve on the GPUs "
+                                "(nvidia-smi probe skipped: it would wait for a slot they hold)"))
+        else:
+            checks += probe(core, cluster, topology, timeout_s, say, poll_s)
     if all(c.ok or not c.fatal for c in checks):
         checks.append(model_cache(core, cluster))
     return checks
