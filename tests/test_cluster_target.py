@@ -3,7 +3,8 @@
 The lab's cluster mode runs end to end against a local simulator: replica sim-0 stands in for the
 baseline Service URL, sim-1 for the gateway URL (`cluster_target` is monkeypatched to return
 them). The cache resets go through the real `reset_prefix_caches` with a fake CoreV1Api that lists
-real V1Pod objects and forwards each pod-proxy POST to a simulator's /reset_prefix_cache.
+real V1Pod objects and forwards each pod-proxy POST to a simulator's /reset_prefix_cache
+(tests/fake_cluster.py; test_notebooks_kind.py runs the notebooks against the same fake).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -22,18 +22,8 @@ from conftest import IN_CI, free_port, sim_process
 if not IN_CI:  # in CI a missing client fails at import instead of skipping
     pytest.importorskip("kubernetes")
 
-from kubernetes.client import (
-    V1Container,
-    V1ContainerPort,
-    V1ObjectMeta,
-    V1Pod,
-    V1PodCondition,
-    V1PodList,
-    V1PodSpec,
-    V1PodStatus,
-)
-from kubernetes.client.exceptions import ApiException
-
+from fake_cluster import FakeCore
+from fake_cluster import pod as _pod
 from kvlab import lab
 from kvlab.load import cli as bench_cli
 from kvlab.stack.kind import (
@@ -87,38 +77,6 @@ def test_gpu_replicas_accept_reset_prefix_cache():
 
 
 # ----------------------------------------------------------------------------- kvlab lab --cluster
-
-
-def _pod(name: str, ready: bool = True) -> V1Pod:
-    ports = [V1ContainerPort(name="http", container_port=8000), V1ContainerPort(name="kv-events", container_port=5557)]
-    return V1Pod(
-        metadata=V1ObjectMeta(name=name, namespace="kvlab", labels={"app.kubernetes.io/component": "replica"}),
-        spec=V1PodSpec(containers=[V1Container(name="sim", ports=ports)]),
-        status=V1PodStatus(phase="Running" if ready else "Pending", pod_ip="10.244.0.9" if ready else None,
-                           conditions=[V1PodCondition(type="Ready", status="True" if ready else "False")]))
-
-
-class FakeCore:
-    """list_namespaced_pod + the pod proxy; `urls` maps a pod to the simulator replica behind it,
-    a pod without one answers like vLLM without VLLM_SERVER_DEV_MODE (404 through the proxy)."""
-
-    def __init__(self, pods: list[V1Pod], urls: dict[str, str]) -> None:
-        self.pods, self.urls = pods, urls
-        self.listed: list[tuple[str, str]] = []
-        self.posts: list[tuple[float, str, str, str]] = []
-
-    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_) -> V1PodList:
-        self.listed.append((namespace, label_selector))
-        return V1PodList(items=self.pods)
-
-    def connect_post_namespaced_pod_proxy_with_path(self, name: str, namespace: str, path: str, **_) -> str:
-        self.posts.append((time.time(), name, namespace, path))
-        url = self.urls.get(name.split(":", maxsplit=1)[0])
-        if url is None:
-            raise ApiException(status=404, reason="Not Found")
-        req = urllib.request.Request(f"{url}/{path}", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.read().decode()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("kubernetes")
 from kubernetes.client import (
+    V1ConfigMap,
     V1ContainerState,
     V1ContainerStateWaiting,
     V1ContainerStatus,
@@ -19,15 +20,22 @@ from kubernetes.client import (
     V1PersistentVolumeClaimStatus,
     V1Pod,
     V1PodCondition,
+    V1PodList,
     V1PodStatus,
 )
 from kubernetes.client.exceptions import ApiException
 
 from kvlab.stack.kind import preflight, versions
-from kvlab.stack.kind.manifests import GPU_NODE_LABEL, Cluster
+from kvlab.stack.kind.manifests import GPU_NODE_LABEL, REPLICA_SELECTOR, Cluster, gpu_support
 from kvlab.topology import builtin, load_topology
 
 GPU1 = load_topology(builtin("gpu-1"))          # 4 replicas, 4 slots on one GPU, sized for 22 GiB
+
+
+def _plugin_config(topology) -> dict[str, str]:
+    """The device plugin ConfigMap `kvlab cluster create --gpu --topology T` applies, as rendered."""
+    (config,) = [x for x in gpu_support(topology.gpu.replicas_per_gpu) if x["kind"] == "ConfigMap"]
+    return config["data"]
 
 
 def _node(name: str, gpus: str | None) -> V1Node:
@@ -47,14 +55,21 @@ def _pod(phase: str, waiting: str | None = None, unschedulable: str | None = Non
 
 
 class FakeCore:
-    def __init__(self, nodes: list[V1Node], pods: list[V1Pod], log: str = "", claim: bool = False) -> None:
+    def __init__(self, nodes: list[V1Node], pods: list[V1Pod], log: str = "", claim: bool = False,
+                 plugin_config: dict[str, str] | None = None) -> None:
         self.nodes, self.pods, self.log, self.claim = nodes, list(pods), log, claim
+        self.plugin_config = plugin_config if plugin_config is not None else _plugin_config(GPU1)
+        self.replicas: list[V1Pod] = []     # vLLM replica pods already running (a redeploy)
         self.created: list[dict] = []
         self.deleted: list[str] = []
 
     def list_node(self, label_selector: str = "", **_) -> V1NodeList:
         assert label_selector == f"{GPU_NODE_LABEL}=true"
         return V1NodeList(items=self.nodes)
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_) -> V1PodList:
+        assert (namespace, label_selector) == ("kvlab", REPLICA_SELECTOR)
+        return V1PodList(items=self.replicas)
 
     def create_namespaced_pod(self, namespace: str, body: dict, **_) -> None:
         self.created.append(body)
@@ -67,6 +82,11 @@ class FakeCore:
 
     def delete_namespaced_pod(self, name: str, namespace: str, **_) -> None:
         self.deleted.append(name)
+
+    def read_namespaced_config_map(self, name: str, namespace: str, **_) -> V1ConfigMap:
+        if self.plugin_config is None:
+            raise ApiException(status=404, reason="Not Found")
+        return V1ConfigMap(metadata=V1ObjectMeta(name=name, namespace=namespace), data=self.plugin_config)
 
     def read_namespaced_persistent_volume_claim(self, name: str, namespace: str, **_) -> V1PersistentVolumeClaim:
         if not self.claim:
@@ -85,7 +105,7 @@ def test_a_ready_box_passes_and_the_probe_is_removed():
                     log="NVIDIA GeForce RTX 4090, 24564\n", claim=True)
     checks = _run(core)
     assert all(c.ok for c in checks.values()), checks
-    assert list(checks) == ["GPU slots", "image", "GPU in a pod", "GPU memory", "model cache"]
+    assert list(checks) == ["GPU slots", "GPU sharing", "image", "GPU in a pod", "GPU memory", "model cache"]
     assert "24.0 GiB" in checks["GPU in a pod"].detail and "4.8 GiB per replica" in checks["GPU memory"].detail
     (pod,) = core.created
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -125,8 +145,10 @@ def test_too_small_a_gpu_fails_and_a_missing_cache_is_only_a_note():
     core = FakeCore([_node("kvlab-worker", "4")], [_pod("Succeeded")], log="Tesla T4, 15360\n")
     checks = _run(core)
     assert not checks["GPU memory"].ok and "sized for 22 GiB" in checks["GPU memory"].detail
-    core = FakeCore([_node("kvlab-worker", "4")], [_pod("Succeeded")], log="NVIDIA L4, 23034\nNVIDIA L4, 23034\n")
-    checks = _run(core, load_topology(builtin("gpu-2")))
+    gpu2 = load_topology(builtin("gpu-2"))
+    core = FakeCore([_node("kvlab-worker", "4")], [_pod("Succeeded")], log="NVIDIA L4, 23034\nNVIDIA L4, 23034\n",
+                    plugin_config=_plugin_config(gpu2))
+    checks = _run(core, gpu2)
     assert checks["GPU memory"].ok
     assert not checks["model cache"].ok and not checks["model cache"].fatal
 
@@ -153,3 +175,20 @@ def test_deploy_stops_at_a_failed_preflight_before_applying(monkeypatch):
         runner.run(steps)
     out = runner.out.getvalue()
     assert "FAIL GPU slots" in out and "4 replicas need 4" in out and not applied
+
+
+def test_a_redeploy_skips_the_probe_its_replicas_would_starve():
+    """All 4 slots are held by the running replicas: a probe pod would stay Pending (unschedulable),
+    so the preflight says the GPU path already works and creates no pod."""
+    serving = V1Pod(metadata=V1ObjectMeta(name="kvlab-replicas-x", namespace="kvlab"),
+                    status=V1PodStatus(phase="Running", pod_ip="10.244.1.5",
+                                       conditions=[V1PodCondition(type="Ready", status="True")]))
+    core = FakeCore([_node("kvlab-worker", "4")], [_pod("Pending", unschedulable="0/2 nodes are available: "
+                                                         "2 Insufficient nvidia.com/gpu.")], claim=True)
+    core.replicas = [serving, serving]
+    checks = _run(core)
+    assert all(c.ok for c in checks.values()), checks
+    assert "2 vLLM replica pod(s) already serve" in checks["GPU in a pod"].detail
+    assert not core.created and "GPU memory" not in checks
+    core.replicas = []       # a first deploy probes (here: starved by something else, and said so)
+    assert "Insufficient nvidia.com/gpu" in _run(core)["GPU in a pod"].detail and core.created

@@ -129,7 +129,7 @@ class AttachedStack:
             from kvlab.stack.kind.cluster import ClusterStack
 
             self._cluster = ClusterStack(self.run, info.context or "kind-kvlab", info.namespace or "kvlab",
-                                         target=info.target, policy=info.policy)
+                                         target=info.target, policy=info.policy, warn=print)   # in the cell's output
 
     @classmethod
     def of(cls, stack: dict[str, Any]) -> AttachedStack:

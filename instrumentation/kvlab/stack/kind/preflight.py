@@ -1,7 +1,8 @@
 """`kvlab cluster preflight`: what a GPU deploy needs, checked before any rollout wait.
 
 Missing GPUs otherwise surface as Pending pods half an hour into a rollout. The checks, in order:
-GPU slots allocatable on the GPU node(s) (the device plugin's, time-sliced per the topology), then
+GPU slots allocatable on the GPU node(s) (the device plugin's, time-sliced per the topology); the
+device plugin's slots per GPU against the topology's `replicas_per_gpu` (`sharing`); then
 one short-lived pod that asks for a slot, in the vLLM image, and runs `nvidia-smi`: it shows that
 the image pulls (and pre-pulls it for the deploy), that the driver and the nvidia runtime reach a
 container, and how much memory the GPU has for the topology's slices. Last, the model cache.
@@ -125,6 +126,38 @@ def probe(core: Any, cluster: m.Cluster, topology: Topology, timeout_s: float = 
     return checks + [memory(topology, mib / 1024)]
 
 
+def slots_per_gpu(core: Any) -> int:
+    """How many `nvidia.com/gpu` slots the device plugin advertises per physical GPU: the
+    time-slicing `replicas` of the config `kvlab cluster create --gpu --topology T` applied, else 1."""
+    import yaml
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        config = core.read_namespaced_config_map(gpu.DEVICE_PLUGIN_CONFIG, PROBE_NAMESPACE)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return 1
+    data = yaml.safe_load((config.data or {}).get("config.yaml") or "{}") or {}
+    resources = ((data.get("sharing") or {}).get("timeSlicing") or {}).get("resources") or []
+    return max([int(r.get("replicas", 1)) for r in resources if r.get("name") == "nvidia.com/gpu"], default=1)
+
+
+def sharing(core: Any, topology: Topology) -> Check:
+    """Placement on shared GPUs is decided by slot count alone: the kubelet hands every slot (a
+    device ID) to one pod at a time, so with R slots per GPU at most R replicas share a GPU, and 4
+    replicas on 2 GPUs x 2 slots fill every slot: exactly 2 per GPU. A device plugin time-sliced
+    for another topology (gpu-1's 4 slots per GPU on a 2-GPU box) would let 3 or 4 share one GPU,
+    whose memory slices then do not fit."""
+    have, want = slots_per_gpu(core), topology.gpu.replicas_per_gpu
+    if have > want:
+        return Check("GPU sharing", False, f"the device plugin offers {have} slots per GPU, {topology.name} is sized "
+                     f"for {want} ({topology.gpu.memory_utilization:g} of the memory each): up to {have} replicas "
+                     f"could share one GPU. Re-create the cluster: `kvlab cluster create --gpu --topology "
+                     f"{topology.name}`")
+    return Check("GPU sharing", True, f"{have} slot(s) per GPU: at most {have} replica(s) per GPU")
+
+
 def memory(topology: Topology, gib: float) -> Check:
     """Each replica's slice (memory_utilization of the GPU) against what the topology was sized for."""
     g = topology.gpu
@@ -151,6 +184,14 @@ def model_cache(core: Any, cluster: m.Cluster) -> Check:
     return Check("model cache", True, f"{gpu.MODEL_CACHE_CLAIM} {claim.status.phase}, kept across redeploys")
 
 
+def running_replicas(core: Any, cluster: m.Cluster) -> int:
+    """Ready vLLM replica pods already in the namespace (a redeploy)."""
+    from kvlab.gateway.discovery.kubernetes import pod_ready
+
+    pods = core.list_namespaced_pod(cluster.namespace, label_selector=m.REPLICA_SELECTOR).items
+    return sum(1 for p in pods if pod_ready(p))
+
+
 def report(checks: list[Check]) -> tuple[bool, list[str]]:
     """(passed, one line per check) — a failed fatal check fails the whole preflight."""
     lines = [f"{'ok ' if c.ok else 'FAIL' if c.fatal else 'note'} {c.name:<13} {c.detail}" for c in checks]
@@ -162,7 +203,14 @@ def run(core: Any, cluster: m.Cluster, topology: Topology, say: Callable[[str], 
     """Every check, stopping at the first fatal failure (later ones would only repeat it)."""
     checks = [gpu_slots(core, topology)]
     if checks[-1].ok:
-        checks += probe(core, cluster, topology, timeout_s, say, poll_s)
+        checks.append(sharing(core, topology))
+    if checks[-1].ok:
+        serving = running_replicas(core, cluster)
+        if serving:     # a redeploy: they hold the slots the probe would wait for, and show the GPU path works
+            checks.append(Check("GPU in a pod", True, f"{serving} vLLM replica pod(s) already serve on the GPUs "
+                                "(nvidia-smi probe skipped: it would wait for a slot they hold)"))
+        else:
+            checks += probe(core, cluster, topology, timeout_s, say, poll_s)
     if all(c.ok or not c.fatal for c in checks):
         checks.append(model_cache(core, cluster))
     return checks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ def api_client(context: str | None) -> Any:
     from kubernetes import config
 
     try:
-        return config.new_client_from_config(context=context)
+        return config.new_client_from_config(context=context)  # type: ignore[no-untyped-call]  # kubernetes.config is untyped
     except Exception as exc:
         raise StackError(f"no usable kube context {context or '(current)'}: {exc}; "
                          "is the cluster created (`kvlab cluster create`)?") from None
@@ -57,7 +58,7 @@ class Runner:
         from kubernetes.dynamic import DynamicClient
         from kubernetes.dynamic.exceptions import DynamicApiError
 
-        dyn = DynamicClient(self._client(step.context))
+        dyn = DynamicClient(self._client(step.context))  # type: ignore[no-untyped-call]  # kubernetes.dynamic is untyped
         for manifest in step.manifests:
             resource = dyn.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
             meta = manifest["metadata"]
@@ -65,28 +66,56 @@ class Runner:
                 resource.server_side_apply(body=manifest, name=meta["name"], namespace=meta.get("namespace"),
                                            field_manager=FIELD_MANAGER, force_conflicts=True)
             except DynamicApiError as exc:
-                raise StackError(f"apply {manifest['kind']}/{meta['name']} failed: {exc.summary()}") from None
+                why = exc.summary()  # type: ignore[no-untyped-call]  # kubernetes.dynamic is untyped
+                raise StackError(f"apply {manifest['kind']}/{meta['name']} failed: {why}") from None
             print(f"    applied {manifest['kind'].lower()}/{meta['name']}", file=self.out, flush=True)
 
     def _rollout(self, step: Step) -> None:
+        """Wait until the Deployment/DaemonSet is rolled out; meanwhile show what each of its pods
+        is doing (image pull, weight download, loading: `startup.PodWatch`), live on a terminal,
+        one line per change otherwise."""
         from kubernetes import client
+        from rich.console import Console
+        from rich.live import Live
 
+        from kvlab.stack.kind.startup import PodWatch, table
+
+        assert step.kind is not None and step.name is not None and step.namespace is not None
+        kind, name, namespace = step.kind, step.name, step.namespace
         apps = client.AppsV1Api(self._client(step.context))
-        read = apps.read_namespaced_deployment_status if step.kind == "Deployment" else apps.read_namespaced_daemon_set_status
+        read = (apps.read_namespaced_deployment_status if kind == "Deployment"
+                else apps.read_namespaced_daemon_set_status)
+        console = Console(file=self.out, width=160)
+        watch: PodWatch | None = None
         deadline = time.monotonic() + step.timeout_s
-        last = ""
-        while True:
-            obj = read(step.name, step.namespace)
-            done, state = rollout_state(step.kind or "", obj)
-            if state != last:
-                print(f"    {step.kind.lower()}/{step.name}: {state}", file=self.out, flush=True)  # type: ignore[union-attr]
-                last = state
-            if done:
-                return
-            if time.monotonic() > deadline:
-                raise StackError(f"{step.kind}/{step.name} not rolled out after {step.timeout_s:.0f}s ({state}); "
-                                 f"see `kubectl -n {step.namespace} describe pods` and docs/kind.md 'Troubleshooting'")
-            time.sleep(2)
+        last, shown = "", dict[tuple[str, str], tuple[str, str]]()
+        live_table = Live(console=console, auto_refresh=False, transient=True) if console.is_terminal else None
+        with live_table or contextlib.nullcontext() as live:
+            while True:
+                obj = read(name, namespace)
+                done, state = rollout_state(kind, obj)
+                if state != last:
+                    console.print(f"    {kind.lower()}/{name}: {state}", highlight=False)
+                    last = state
+                if done:
+                    return
+                if watch is None and obj.spec.selector is not None and obj.spec.selector.match_labels:
+                    selector = ",".join(f"{k}={v}" for k, v in obj.spec.selector.match_labels.items())
+                    watch = PodWatch(client.CoreV1Api(self._client(step.context)), namespace, selector)
+                rows = watch.rows() if watch is not None else []
+                if live is not None:
+                    live.update(table(rows, f"{kind.lower()}/{name}: {state}"), refresh=True)
+                for r in rows:
+                    if live is None and shown.get((r.pod, r.container)) != (r.stage, r.detail):
+                        shown[(r.pod, r.container)] = (r.stage, r.detail)
+                        detail = f" ({r.detail})" if r.detail else ""
+                        console.print(f"      {r.pod}/{r.container}: {r.stage}{detail}", highlight=False, markup=False)
+                if time.monotonic() > deadline:
+                    stuck = "; ".join(f"{r.pod}: {r.stage}" for r in rows if r.stage != "ready")
+                    raise StackError(f"{kind}/{name} not rolled out after {step.timeout_s:.0f}s ({state}"
+                                     f"{'; ' + stuck if stuck else ''}); see `kubectl -n {namespace} describe pods` "
+                                     "and docs/kind.md 'Troubleshooting'")
+                time.sleep(2)
 
     def _preflight(self, step: Step) -> None:
         from kubernetes import client
@@ -112,9 +141,11 @@ class Runner:
         deadline = time.monotonic() + step.timeout_s
         while time.monotonic() < deadline:
             for node in core.list_node().items:
-                count = int((node.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+                allocatable = (node.status.allocatable if node.status else None) or {}
+                count = int(allocatable.get("nvidia.com/gpu", "0"))
                 if count > 0:
-                    print(f"    {node.metadata.name}: {count} GPU(s) allocatable", file=self.out, flush=True)
+                    name = node.metadata.name if node.metadata else "?"
+                    print(f"    {name}: {count} GPU(s) allocatable", file=self.out, flush=True)
                     return
             time.sleep(3)
         raise StackError("no node reports allocatable nvidia.com/gpu: check the device plugin logs "
