@@ -30,7 +30,8 @@ from kvlab.stack.kind import (
     caches,
     forward,
 )
-from kvlab.stack.kind.manifests import REPLICA_SELECTOR, Cluster, render
+from kvlab.stack.kind.manifests import render
+from kvlab.stack.kind.objects import REPLICA_SELECTOR, Cluster
 from kvlab.topology import Topology
 
 # ----------------------------------------------------------------------------- kvlab bench

@@ -28,7 +28,8 @@ from kubernetes.client import V1ConfigMap, V1ObjectMeta
 from kubernetes.client.exceptions import ApiException
 
 from kvlab.stack.kind import gpu, preflight, versions
-from kvlab.stack.kind.manifests import Cluster, render
+from kvlab.stack.kind.manifests import render
+from kvlab.stack.kind.objects import Cluster
 from kvlab.topology import Topology, builtin, load_topology
 
 GPU1, GPU2 = load_topology(builtin("gpu-1")), load_topology(builtin("gpu-2"))

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvlab.stack.kind import cli, plan, versions
-from kvlab.stack.kind.manifests import KVLAB_UID, NODE_PORTS, Cluster
+from kvlab.stack.kind.objects import KVLAB_UID, NODE_PORTS, Cluster
 from kvlab.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]

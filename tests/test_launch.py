@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 
 from kvlab.stack.base import StackInfo, read_info
-from kvlab.stack.kind.manifests import Cluster, gateway, replica_deployment
+from kvlab.stack.kind.manifests import gateway, replica_deployment
+from kvlab.stack.kind.objects import Cluster
 from kvlab.stack.launch import child_env, engine_argv, otel_env, sim_args
 from kvlab.topology import GatewaySettings, SimSettings, Topology
 

@@ -14,14 +14,9 @@ import yaml
 
 from conftest import IN_CI
 from kvlab.stack.kind import versions
-from kvlab.stack.kind.manifests import (
-    NODE_PORTS,
-    REPLICA_SELECTOR,
-    Cluster,
-    prometheus_config,
-    render,
-    to_yaml,
-)
+from kvlab.stack.kind.manifests import render, to_yaml
+from kvlab.stack.kind.objects import NODE_PORTS, REPLICA_SELECTOR, Cluster
+from kvlab.stack.kind.observability import prometheus_config
 from kvlab.topology import ObservabilitySettings, Pool, Topology, load_topology
 
 if not IN_CI:  # in CI a missing validator fails at import instead of skipping

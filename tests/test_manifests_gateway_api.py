@@ -20,8 +20,8 @@ import yaml
 from kvlab import lab
 from kvlab.epp import DESTINATION_HEADER, SERVICE_NAME
 from kvlab.stack.kind import envoy, forward, llmd, phases, versions
-from kvlab.stack.kind import manifests as m
-from kvlab.stack.kind.manifests import NODE_PORTS, Cluster
+from kvlab.stack.kind import objects as o
+from kvlab.stack.kind.objects import NODE_PORTS, Cluster
 from kvlab.topology import Topology
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -233,7 +233,7 @@ def test_precise_scorer_only_on_gpu():
     plugin = next(p for p in precise["plugins"] if p["type"] == "precise-prefix-cache-scorer")
     assert plugin["parameters"]["tokenProcessorConfig"] == {"blockSize": 16, "hashSeed": llmd.KV_EVENTS_HASH_SEED}
     assert plugin["parameters"]["kvEventsConfig"] == {"topicFilter": "kv@", "discoverPods": True,
-                                                      "podDiscoveryConfig": {"socketPort": m.KV_EVENTS_PORT}}
+                                                      "podDiscoveryConfig": {"socketPort": o.KV_EVENTS_PORT}}
 
 
 # ----------------------------------------------------------------------------- plans

@@ -132,11 +132,12 @@ def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
     from kubernetes.client import V1ObjectMeta, V1Pod, V1PodStatus
 
     from kvlab.gateway.discovery.kubernetes import pod_endpoints
-    from kvlab.stack.kind import manifests as m
-    from kvlab.stack.kind.manifests import API_PORT, KV_EVENTS_PORT, render
+    from kvlab.stack.kind import objects as o
+    from kvlab.stack.kind.manifests import render
+    from kvlab.stack.kind.objects import API_PORT, KV_EVENTS_PORT
 
     topology = load_topology(ROOT / "labs" / "topologies" / "wide-ep.yaml")
-    deployment = next(x for x in render(topology, m.Cluster(gpu=True))["baseline"] if x["kind"] == "Deployment")
+    deployment = next(x for x in render(topology, o.Cluster(gpu=True))["baseline"] if x["kind"] == "Deployment")
     template = deployment["spec"]["template"]
     containers = template["spec"]["containers"]
     dp = topology.pools[0].data_parallel_size
@@ -164,15 +165,16 @@ def test_vllm_pods_publish_what_llm_d_precise_scorer_reads():
     the pods must publish there, hash with CBOR SHA-256 seeded like the scorer, in its block size."""
     from kvlab.stack.kind import llmd
     from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind import objects as o
     from kvlab.stack.kind.phases import gateway_api_phases
 
     topology = load_topology(ROOT / "labs" / "topologies" / "gpu-1.yaml")
-    cluster = m.Cluster(gpu=True)
+    cluster = o.Cluster(gpu=True)
     vllm = next(c for x in m.render(topology, cluster)["baseline"] if x["kind"] == "Deployment"
                 for c in x["spec"]["template"]["spec"]["containers"])
     args, env = vllm["args"], {e["name"]: e for e in vllm["env"]}
     events = json.loads(_arg(args, "--kv-events-config"))
-    assert events["topic"] == f"kv@$(POD_IP)@{topology.model}" and events["endpoint"].endswith(f":{m.KV_EVENTS_PORT}")
+    assert events["topic"] == f"kv@$(POD_IP)@{topology.model}" and events["endpoint"].endswith(f":{o.KV_EVENTS_PORT}")
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert _arg(args, "--prefix-caching-hash-algo") == "sha256_cbor"
     plugins = yaml.safe_load(next(x for x in gateway_api_phases(topology, cluster)["llm-d"]
@@ -180,5 +182,5 @@ def test_vllm_pods_publish_what_llm_d_precise_scorer_reads():
     scorer = next(p for p in plugins if p["type"] == "precise-prefix-cache-scorer")["parameters"]
     assert env["PYTHONHASHSEED"]["value"] == scorer["tokenProcessorConfig"]["hashSeed"] == llmd.KV_EVENTS_HASH_SEED
     assert scorer["tokenProcessorConfig"]["blockSize"] == int(_arg(args, "--block-size"))
-    assert scorer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == m.KV_EVENTS_PORT
+    assert scorer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == o.KV_EVENTS_PORT
     assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])

@@ -13,7 +13,8 @@ import pytest
 from conftest import IN_CI
 from kvlab.errors import ConfigError
 from kvlab.stack.kind import versions
-from kvlab.stack.kind.manifests import NIXL_SIDE_CHANNEL_PORT, PD_ANNOTATION, Cluster, render
+from kvlab.stack.kind.manifests import render
+from kvlab.stack.kind.objects import NIXL_SIDE_CHANNEL_PORT, PD_ANNOTATION, Cluster
 from kvlab.topology import GatewaySettings, Pool, Topology, VllmSettings, builtin, load_topology
 
 if not IN_CI:  # in CI a missing validator fails at import instead of skipping

@@ -26,7 +26,8 @@ from kubernetes.client import (
 from kubernetes.client.exceptions import ApiException
 
 from kvlab.stack.kind import preflight, versions
-from kvlab.stack.kind.manifests import GPU_NODE_LABEL, REPLICA_SELECTOR, Cluster, gpu_support
+from kvlab.stack.kind.manifests import gpu_support
+from kvlab.stack.kind.objects import GPU_NODE_LABEL, REPLICA_SELECTOR, Cluster
 from kvlab.topology import builtin, load_topology
 
 GPU1 = load_topology(builtin("gpu-1"))          # 4 replicas, 4 slots on one GPU, sized for 22 GiB

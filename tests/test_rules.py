@@ -20,7 +20,8 @@ import yaml
 
 from conftest import require_binary
 from kvlab.dashboards import rules
-from kvlab.stack.kind.manifests import Cluster, render
+from kvlab.stack.kind.manifests import render
+from kvlab.stack.kind.objects import Cluster
 from kvlab.stack.prometheus import rules_file, scrape_config
 from kvlab.telemetry import names as n
 from kvlab.topology import load_topology

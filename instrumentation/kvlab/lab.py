@@ -180,7 +180,7 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
     policy = topology.gateway.policy
     planned = lab_plan(None if args.policies == DEFAULT_POLICIES else args.policies.split(","), topology)
     if args.dry_run:
-        from kvlab.stack.kind.manifests import Cluster
+        from kvlab.stack.kind.objects import Cluster
 
         print_lab_plan(planned, topology, Cluster(namespace=args.namespace, name=args.context.removeprefix("kind-")),
                        console.file)

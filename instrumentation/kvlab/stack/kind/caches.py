@@ -13,7 +13,7 @@ from typing import Any
 
 from kvlab.errors import StackError
 from kvlab.gateway.discovery.kubernetes import pod_ready
-from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.stack.kind.runner import api_client
 
 
@@ -27,7 +27,7 @@ def core_api(context: str | None) -> Any:
 def _http_ports(pod: Any) -> list[int]:
     ports = [p.container_port for c in (pod.spec.containers if pod.spec else ()) for p in c.ports or ()
              if (p.name or "").startswith("http")]
-    return ports or [m.API_PORT]
+    return ports or [o.API_PORT]
 
 
 def reset_prefix_caches(context: str | None = "kind-kvlab", namespace: str = "kvlab",
@@ -40,12 +40,12 @@ def reset_prefix_caches(context: str | None = "kind-kvlab", namespace: str = "kv
 
     core = core or core_api(context)
     try:
-        pods = core.list_namespaced_pod(namespace, label_selector=m.REPLICA_SELECTOR).items
+        pods = core.list_namespaced_pod(namespace, label_selector=o.REPLICA_SELECTOR).items
     except ApiException as exc:
         raise StackError(f"cannot list replica pods in {namespace}: {exc.status} {exc.reason}") from None
     ready = sorted((p for p in pods if pod_ready(p)), key=lambda p: p.metadata.name)
     if not ready:
-        raise StackError(f"no ready replica pod ({m.REPLICA_SELECTOR}) in {namespace}: `kvlab cluster status`")
+        raise StackError(f"no ready replica pod ({o.REPLICA_SELECTOR}) in {namespace}: `kvlab cluster status`")
     results: dict[str, str | None] = {}
     for pod in ready:
         for port in _http_ports(pod):

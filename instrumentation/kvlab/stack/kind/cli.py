@@ -22,6 +22,7 @@ from kvlab import __version__
 from kvlab.errors import KvlabError
 from kvlab.stack.kind import forward, plan
 from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology, builtin, load_topology
 
 
@@ -48,9 +49,9 @@ def _topology(spec: str) -> Topology:
     return load_topology(path if path.suffix in (".yaml", ".yml") else builtin(spec))
 
 
-def _cluster(args: argparse.Namespace, topology: Topology) -> m.Cluster:
+def _cluster(args: argparse.Namespace, topology: Topology) -> o.Cluster:
     hf_model = args.hf_model or topology.gpu.model or m.versions.VLLM_MODEL
-    return m.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=hf_model)
+    return o.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=hf_model)
 
 
 def _phases(args: argparse.Namespace) -> list[str]:
@@ -82,7 +83,7 @@ def status(args: argparse.Namespace) -> int:
 
     api = forward.api_client(f"kind-{args.name}")
     apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
-    deployments = apps.list_namespaced_deployment(args.namespace, label_selector=f"{m.PART_OF}=kvlab").items
+    deployments = apps.list_namespaced_deployment(args.namespace, label_selector=f"{o.PART_OF}=kvlab").items
     if not deployments:
         print(f"nothing deployed in namespace {args.namespace}: `kvlab cluster deploy`")
         return 1
@@ -90,7 +91,7 @@ def status(args: argparse.Namespace) -> int:
     for d in sorted(deployments, key=lambda d: d.metadata.name):
         ready = f"{d.status.ready_replicas or 0}/{d.spec.replicas}"
         print(f"{d.metadata.name:<24} {ready:>7}  {d.spec.template.spec.containers[0].image}")
-    pods = core.list_namespaced_pod(args.namespace, label_selector=f"{m.PART_OF}=kvlab").items
+    pods = core.list_namespaced_pod(args.namespace, label_selector=f"{o.PART_OF}=kvlab").items
     print(f"\n{'POD':<44} {'PHASE':<10} {'IP':<16} NODE")
     for pod in sorted(pods, key=lambda p: p.metadata.name):
         print(f"{pod.metadata.name:<44} {pod.status.phase:<10} {pod.status.pod_ip or '-':<16} {pod.spec.node_name or '-'}")

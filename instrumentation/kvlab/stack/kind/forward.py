@@ -17,14 +17,14 @@ import urllib.request
 from typing import Any
 
 from kvlab.errors import StackError
-from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.stack.kind.envoy import LISTEN_PORT
 from kvlab.stack.kind.runner import api_client
 
 # target name -> (Service name, Service port, UI path)
 SERVICES = {
-    "baseline": ("kvlab-baseline", m.API_PORT, "/v1"),
-    "gateway": ("kvlab-gateway", m.API_PORT, "/v1"),
+    "baseline": ("kvlab-baseline", o.API_PORT, "/v1"),
+    "gateway": ("kvlab-gateway", o.API_PORT, "/v1"),
     "gateway-api": ("kvlab-epp", LISTEN_PORT, "/v1"),           # Envoy + kvlab epp (docs/gateway-api.md)
     "llm-d": ("kvlab-llm-d", LISTEN_PORT, "/v1"),               # Envoy + llm-d's scheduler
     "jaeger": ("kvlab-jaeger", 16686, "/"),
@@ -35,7 +35,7 @@ SERVICES = {
 
 
 def node_port_url(target: str) -> str:
-    return f"http://127.0.0.1:{m.NODE_PORTS[target]}"
+    return f"http://127.0.0.1:{o.NODE_PORTS[target]}"
 
 
 def _answers(url: str, timeout: float = 2.0) -> bool:

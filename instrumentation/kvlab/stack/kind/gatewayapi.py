@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kvlab.stack.kind import envoy, versions
-from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology
 
 Manifest = dict[str, Any]
@@ -37,11 +37,11 @@ def rbac(name: str, ns: str, labels: dict[str, str], extra_rules: list[dict[str,
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
              *(extra_rules or [])]
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": m._meta(name, ns, labels),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": o.meta(name, ns, labels),
          "automountServiceAccountToken": True},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": m._meta(name, ns, labels),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": o.meta(name, ns, labels),
          "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": m._meta(name, ns, labels),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": o.meta(name, ns, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
     ]
@@ -54,107 +54,107 @@ def envoy_container(config_map: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "command": ["envoy"], "args": ["-c", "/etc/envoy/envoy.yaml", "--log-level", "info"],
         "ports": [{"name": "http", "containerPort": envoy.LISTEN_PORT, "protocol": "TCP"},
                   {"name": "envoy-ready", "containerPort": envoy.READY_PORT, "protocol": "TCP"}],
-        "readinessProbe": m._http_probe("/ready", "envoy-ready", 5, 3),
-        "resources": m._resources("100m", "128Mi", "1", "512Mi"),
-        "securityContext": m._container_security(),
+        "readinessProbe": o.http_probe("/ready", "envoy-ready", 5, 3),
+        "resources": o.resources("100m", "128Mi", "1", "512Mi"),
+        "securityContext": o.container_security(),
         "volumeMounts": [{"name": "envoy-config", "mountPath": "/etc/envoy", "readOnly": True}],
     }
     return container, {"name": "envoy-config", "configMap": {"name": config_map}}
 
 
 def envoy_config_map(name: str, ns: str, labels: dict[str, str]) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": m._meta(name, ns, labels),
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": o.meta(name, ns, labels),
             "data": {"envoy.yaml": yaml.safe_dump(envoy.bootstrap(), sort_keys=False)}}
 
 
-def epp_container(topology: Topology, cluster: m.Cluster) -> dict[str, Any]:
+def epp_container(topology: Topology, cluster: o.Cluster) -> dict[str, Any]:
     """`kvlab epp` with the gateway's discovery, policy and telemetry (manifests.gateway's flags)."""
     g = topology.gateway
     args = ["epp", "--host", "0.0.0.0", "--port", str(envoy.EPP_PORT), "--metrics-port", str(EPP_METRICS_PORT),
             "--policy", g.policy, "--model", topology.model, "--scrape-interval-ms", str(g.scrape_interval_ms),
-            "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)", "--selector", m.REPLICA_SELECTOR,
-            "--replica-port", str(m.API_PORT), "--replica-kv-events-port", str(m.KV_EVENTS_PORT)]
+            "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)", "--selector", o.REPLICA_SELECTOR,
+            "--replica-port", str(o.API_PORT), "--replica-kv-events-port", str(o.KV_EVENTS_PORT)]
     return {
         "name": "epp", "image": cluster.image, "imagePullPolicy": "IfNotPresent",
         "command": ["kvlab"], "args": args,
         "ports": [{"name": "grpc", "containerPort": envoy.EPP_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
-        "env": [m._field_env("POD_NAME", "metadata.name"), m._field_env("POD_NAMESPACE", "metadata.namespace"),
-                {"name": "HOME", "value": "/tmp"}, *m._otel_env(topology, "kvlab-epp", cluster.namespace)],
+        "env": [o.field_env("POD_NAME", "metadata.name"), o.field_env("POD_NAMESPACE", "metadata.namespace"),
+                {"name": "HOME", "value": "/tmp"}, *o.pod_otel_env(topology, "kvlab-epp", cluster.namespace)],
         "readinessProbe": {"grpc": {"port": envoy.EPP_PORT, "service": "readiness"}, "periodSeconds": 2,
                            "failureThreshold": 3},
         "livenessProbe": {"grpc": {"port": envoy.EPP_PORT, "service": "liveness"}, "periodSeconds": 10,
                           "failureThreshold": 6},
-        "resources": m._resources("250m", "256Mi", "2", "1Gi"),
-        "securityContext": m._container_security(),
+        "resources": o.resources("250m", "256Mi", "2", "1Gi"),
+        "securityContext": o.container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
 
 
 def data_plane(name: str, ns: str, labels: dict[str, str], picker: dict[str, Any], volumes: list[dict[str, Any]],
-               node_port: int | None, uid: int = m.KVLAB_UID) -> list[Manifest]:
+               node_port: int | None, uid: int = o.KVLAB_UID) -> list[Manifest]:
     """Envoy + a picker in one pod (the standalone chart's layout), its config and its Service."""
     container, config_volume = envoy_container(f"{name}-envoy")
     spec: dict[str, Any] = {
         "serviceAccountName": name, "automountServiceAccountToken": True, "enableServiceLinks": False,
-        "securityContext": m._pod_security(uid), "containers": [container, picker],
+        "securityContext": o.pod_security(uid), "containers": [container, picker],
         "volumes": [config_volume, *volumes],
     }
-    deployment = m._deployment(name, ns, labels, 1, spec, m._scrape_annotations(EPP_METRICS_PORT))
-    port: dict[str, Any] = {"name": "http", "port": m.API_PORT, "targetPort": "http", "protocol": "TCP"}
+    deployment = o.deployment(name, ns, labels, 1, spec, o.scrape_annotations(EPP_METRICS_PORT))
+    port: dict[str, Any] = {"name": "http", "port": o.API_PORT, "targetPort": "http", "protocol": "TCP"}
     if node_port is not None:
         port["nodePort"] = node_port
-    selector = {m.PART_OF: "kvlab", m.COMPONENT: labels[m.COMPONENT]}
+    selector = {o.PART_OF: "kvlab", o.COMPONENT: labels[o.COMPONENT]}
     # the picker's port too: the InferencePool's endpointPickerRef names this Service
     grpc = {"name": "grpc", "port": envoy.EPP_PORT, "targetPort": "grpc", "protocol": "TCP",
             "appProtocol": "kubernetes.io/h2c"}
-    service = m._service(name, ns, labels, selector, [port, grpc], node_port=node_port is not None)
+    service = o.service(name, ns, labels, selector, [port, grpc], node_port=node_port is not None)
     return [envoy_config_map(f"{name}-envoy", ns, labels), deployment, service]
 
 
-def standalone(topology: Topology, cluster: m.Cluster) -> list[Manifest]:
+def standalone(topology: Topology, cluster: o.Cluster) -> list[Manifest]:
     """Phase `gateway-api`: Envoy -> `kvlab epp` -> replica, no gateway controller."""
     ns, name = cluster.namespace, "kvlab-epp"
-    labels = m._labels("epp")
-    return [m.namespace(cluster), *rbac(name, ns, labels),
-            *data_plane(name, ns, labels, epp_container(topology, cluster), [m._empty_dir("tmp")],
-                        m.NODE_PORTS["gateway-api"])]
+    labels = o.labels("epp")
+    return [o.namespace(cluster), *rbac(name, ns, labels),
+            *data_plane(name, ns, labels, epp_container(topology, cluster), [o.empty_dir("tmp")],
+                        o.NODE_PORTS["gateway-api"])]
 
 
 def inference_pool(name: str, ns: str, epp_service: str, selector: dict[str, str]) -> Manifest:
     """An `InferencePool` (inference.networking.k8s.io/v1): the replica pods and their picker."""
     return {"apiVersion": f"{INFERENCE_GROUP}/v1", "kind": "InferencePool",
-            "metadata": m._meta(name, ns, m._labels("inference-pool")),
+            "metadata": o.meta(name, ns, o.labels("inference-pool")),
             "spec": {"selector": {"matchLabels": selector},
-                     "targetPorts": [{"number": m.API_PORT}],
+                     "targetPorts": [{"number": o.API_PORT}],
                      "endpointPickerRef": {"name": epp_service, "kind": "Service",
                                            "port": {"number": envoy.EPP_PORT}, "failureMode": "FailClose"}}}
 
 
-def conformant(topology: Topology, cluster: m.Cluster, gateway_class: str = "istio") -> list[Manifest]:
+def conformant(topology: Topology, cluster: o.Cluster, gateway_class: str = "istio") -> list[Manifest]:
     """Phase `inference-pool`: the picker as a Service for the cluster's own gateway, the pool, a
     Gateway of `gateway_class` and an HTTPRoute sending /v1 to the pool."""
     ns, name = cluster.namespace, "kvlab-epp"
-    labels = m._labels("epp")
+    labels = o.labels("epp")
     spec: dict[str, Any] = {
         "serviceAccountName": name, "automountServiceAccountToken": True, "enableServiceLinks": False,
-        "securityContext": m._pod_security(m.KVLAB_UID), "containers": [epp_container(topology, cluster)],
-        "volumes": [m._empty_dir("tmp")]}
-    service = m._service(name, ns, labels, {m.PART_OF: "kvlab", m.COMPONENT: "epp"},
+        "securityContext": o.pod_security(o.KVLAB_UID), "containers": [epp_container(topology, cluster)],
+        "volumes": [o.empty_dir("tmp")]}
+    service = o.service(name, ns, labels, {o.PART_OF: "kvlab", o.COMPONENT: "epp"},
                          [{"name": "grpc", "port": envoy.EPP_PORT, "targetPort": "grpc", "protocol": "TCP",
                            "appProtocol": "kubernetes.io/h2c"}])
-    pool = inference_pool("kvlab-pool", ns, name, {m.PART_OF: "kvlab", m.COMPONENT: "replica"})
+    pool = inference_pool("kvlab-pool", ns, name, {o.PART_OF: "kvlab", o.COMPONENT: "replica"})
     gateway = {"apiVersion": f"{GATEWAY_GROUP}/v1", "kind": "Gateway",
-               "metadata": m._meta("kvlab-inference-gateway", ns, m._labels("inference-gateway")),
+               "metadata": o.meta("kvlab-inference-gateway", ns, o.labels("inference-gateway")),
                "spec": {"gatewayClassName": gateway_class,
                         "listeners": [{"name": "http", "protocol": "HTTP", "port": 80}]}}
     route = {"apiVersion": f"{GATEWAY_GROUP}/v1", "kind": "HTTPRoute",
-             "metadata": m._meta("kvlab-inference-route", ns, m._labels("inference-gateway")),
+             "metadata": o.meta("kvlab-inference-route", ns, o.labels("inference-gateway")),
              "spec": {"parentRefs": [{"group": GATEWAY_GROUP, "kind": "Gateway", "name": "kvlab-inference-gateway"}],
                       "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
                                  "backendRefs": [{"group": INFERENCE_GROUP, "kind": "InferencePool",
                                                   "name": "kvlab-pool"}],
                                  "timeouts": {"request": "300s"}}]}}
-    return [m.namespace(cluster), *rbac(name, ns, labels),
-            m._deployment(name, ns, labels, 1, spec, m._scrape_annotations(EPP_METRICS_PORT)), service,
+    return [o.namespace(cluster), *rbac(name, ns, labels),
+            o.deployment(name, ns, labels, 1, spec, o.scrape_annotations(EPP_METRICS_PORT)), service,
             pool, gateway, route]

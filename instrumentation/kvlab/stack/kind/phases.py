@@ -15,17 +15,17 @@ from typing import IO, Any
 
 from kvlab.errors import KvlabError
 from kvlab.stack.kind import gatewayapi, llmd
-from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology
 
 
-def gateway_api_phases(topology: Topology, cluster: m.Cluster) -> dict[str, list[m.Manifest]]:
+def gateway_api_phases(topology: Topology, cluster: o.Cluster) -> dict[str, list[o.Manifest]]:
     return {"gateway-api": gatewayapi.standalone(topology, cluster),
             "llm-d": llmd.llm_d(topology, cluster),
             "inference-pool": gatewayapi.conformant(topology, cluster)}
 
 
-def crd_steps(cluster: m.Cluster, phase: str) -> list[Any]:
+def crd_steps(cluster: o.Cluster, phase: str) -> list[Any]:
     """Install the Gateway API and Inference Extension CRDs before a phase that creates their objects."""
     from kvlab.stack.kind.plan import Step
 
@@ -63,7 +63,7 @@ def lab_plan(policies: list[str] | None, topology: Topology) -> list[LabPhase]:
     return out
 
 
-def print_lab_plan(phases: list[LabPhase], topology: Topology, cluster: m.Cluster, out: IO[str]) -> None:
+def print_lab_plan(phases: list[LabPhase], topology: Topology, cluster: o.Cluster, out: IO[str]) -> None:
     """The dry-run of `kvlab lab --cluster`: what must be deployed, then what each phase benches."""
     from kvlab.stack.kind import plan
     from kvlab.stack.kind.forward import node_port_url

@@ -15,9 +15,10 @@ import msgspec
 import yaml
 
 from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology
 
-KIND_DIR = m.REPO_ROOT / "kind"
+KIND_DIR = o.REPO_ROOT / "kind"
 DOCKERFILE = KIND_DIR / "images" / "Dockerfile"
 GPU_NODE_SCRIPT = KIND_DIR / "gpu-node.sh"
 
@@ -37,7 +38,7 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None                     # rollout
     timeout_s: float = 300.0
     topology: Topology | None = None            # preflight
-    cluster: m.Cluster | None = None            # preflight
+    cluster: o.Cluster | None = None            # preflight
 
     def describe(self) -> str:
         if self.action == "run":
@@ -72,12 +73,12 @@ def gpu_nodes(config_path: Path, cluster_name: str) -> list[str]:
         if node["role"] != "worker":
             continue
         workers += 1
-        if (node.get("labels") or {}).get(m.GPU_NODE_LABEL) == "true":
+        if (node.get("labels") or {}).get(o.GPU_NODE_LABEL) == "true":
             names.append(f"{cluster_name}-worker" + ("" if workers == 1 else str(workers)))
     return names
 
 
-def create(cluster: m.Cluster, topology: Topology | None = None) -> list[Step]:
+def create(cluster: o.Cluster, topology: Topology | None = None) -> list[Step]:
     """kind cluster (CPU or GPU); on GPU, the nvkind-style node setup, RuntimeClass and device plugin
     (time-sliced if the topology shares a GPU between replicas)."""
     config = kind_config(cluster.gpu)
@@ -102,7 +103,7 @@ def create(cluster: m.Cluster, topology: Topology | None = None) -> list[Step]:
     return steps
 
 
-def delete(cluster: m.Cluster) -> list[Step]:
+def delete(cluster: o.Cluster) -> list[Step]:
     return [Step(action="run", what="delete the kind cluster", argv=["kind", "delete", "cluster", "--name", cluster.name])]
 
 
@@ -111,17 +112,17 @@ def _rollout(manifest: dict[str, Any], context: str, timeout_s: float) -> Step:
                 name=manifest["metadata"]["name"], namespace=manifest["metadata"]["namespace"], timeout_s=timeout_s)
 
 
-def image_steps(cluster: m.Cluster) -> list[Step]:
+def image_steps(cluster: o.Cluster) -> list[Step]:
     """Build the kvlab image from the repository and load it into every kind node."""
     return [
         Step(action="run", what="build the kvlab image",
-             argv=["docker", "build", "-f", str(DOCKERFILE), "-t", cluster.image, str(m.REPO_ROOT)]),
+             argv=["docker", "build", "-f", str(DOCKERFILE), "-t", cluster.image, str(o.REPO_ROOT)]),
         Step(action="run", what="load the image into the kind nodes",
              argv=["kind", "load", "docker-image", cluster.image, "--name", cluster.name]),
     ]
 
 
-def deploy(topology: Topology, cluster: m.Cluster, phase: str, build: bool = True) -> list[Step]:
+def deploy(topology: Topology, cluster: o.Cluster, phase: str, build: bool = True) -> list[Step]:
     """Apply one phase (baseline | gateway | observability) and wait until it has rolled out."""
     from kvlab.stack.kind.phases import crd_steps, gateway_api_phases
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from kvlab.stack.kind import gpu
-from kvlab.stack.kind import manifests as m
+from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology
 
 PROBE_POD = "kvlab-preflight-nvidia-smi"
@@ -33,14 +33,14 @@ class Check(msgspec.Struct, frozen=True):
     fatal: bool = True       # a failed fatal check stops the deploy
 
 
-def probe_pod(cluster: m.Cluster) -> dict[str, Any]:
+def probe_pod(cluster: o.Cluster) -> dict[str, Any]:
     """One GPU slot, the vLLM image, `nvidia-smi` printing each visible GPU's name and memory."""
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": PROBE_POD, "namespace": PROBE_NAMESPACE, "labels": {m.PART_OF: "kvlab"}},
+        "metadata": {"name": PROBE_POD, "namespace": PROBE_NAMESPACE, "labels": {o.PART_OF: "kvlab"}},
         "spec": {
             "restartPolicy": "Never", "runtimeClassName": "nvidia", "automountServiceAccountToken": False,
-            "nodeSelector": {m.GPU_NODE_LABEL: "true"},
+            "nodeSelector": {o.GPU_NODE_LABEL: "true"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [{
                 "name": "nvidia-smi", "image": cluster.vllm_image, "imagePullPolicy": "IfNotPresent",
@@ -56,9 +56,9 @@ def probe_pod(cluster: m.Cluster) -> dict[str, Any]:
 
 def gpu_slots(core: Any, topology: Topology) -> Check:
     """Allocatable `nvidia.com/gpu` on the GPU nodes covers every replica (one slot each)."""
-    nodes = core.list_node(label_selector=f"{m.GPU_NODE_LABEL}=true").items
+    nodes = core.list_node(label_selector=f"{o.GPU_NODE_LABEL}=true").items
     if not nodes:
-        return Check("GPU nodes", False, f"no node labelled {m.GPU_NODE_LABEL}=true: "
+        return Check("GPU nodes", False, f"no node labelled {o.GPU_NODE_LABEL}=true: "
                      f"`kvlab cluster create --gpu --topology {topology.name}`")
     per_node = {n.metadata.name: int((n.status.allocatable or {}).get("nvidia.com/gpu", "0")) for n in nodes}
     have = sum(per_node.values())
@@ -86,7 +86,7 @@ def _unschedulable(pod: Any) -> str | None:
     return None
 
 
-def probe(core: Any, cluster: m.Cluster, topology: Topology, timeout_s: float = 1200.0,
+def probe(core: Any, cluster: o.Cluster, topology: Topology, timeout_s: float = 1200.0,
           say: Callable[[str], None] = print, poll_s: float = 2.0) -> list[Check]:
     """Run the nvidia-smi pod; a failure names the part that failed (scheduling, image, runtime)."""
     core.create_namespaced_pod(PROBE_NAMESPACE, probe_pod(cluster))
@@ -170,7 +170,7 @@ def memory(topology: Topology, gib: float) -> Check:
                  f"= {slice_gib:.1f} GiB per replica")
 
 
-def model_cache(core: Any, cluster: m.Cluster) -> Check:
+def model_cache(core: Any, cluster: o.Cluster) -> Check:
     """The persistent model cache (not fatal: the first deploy creates it and downloads the model)."""
     from kubernetes.client.exceptions import ApiException
 
@@ -184,11 +184,11 @@ def model_cache(core: Any, cluster: m.Cluster) -> Check:
     return Check("model cache", True, f"{gpu.MODEL_CACHE_CLAIM} {claim.status.phase}, kept across redeploys")
 
 
-def running_replicas(core: Any, cluster: m.Cluster) -> int:
+def running_replicas(core: Any, cluster: o.Cluster) -> int:
     """Ready vLLM replica pods already in the namespace (a redeploy)."""
     from kvlab.gateway.discovery.kubernetes import pod_ready
 
-    pods = core.list_namespaced_pod(cluster.namespace, label_selector=m.REPLICA_SELECTOR).items
+    pods = core.list_namespaced_pod(cluster.namespace, label_selector=o.REPLICA_SELECTOR).items
     return sum(1 for p in pods if pod_ready(p))
 
 
@@ -198,7 +198,7 @@ def report(checks: list[Check]) -> tuple[bool, list[str]]:
     return all(c.ok or not c.fatal for c in checks), lines
 
 
-def run(core: Any, cluster: m.Cluster, topology: Topology, say: Callable[[str], None] = print,
+def run(core: Any, cluster: o.Cluster, topology: Topology, say: Callable[[str], None] = print,
         timeout_s: float = 1200.0, poll_s: float = 2.0) -> list[Check]:
     """Every check, stopping at the first fatal failure (later ones would only repeat it)."""
     checks = [gpu_slots(core, topology)]
