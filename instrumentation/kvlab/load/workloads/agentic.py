@@ -46,15 +46,11 @@ class Agentic(Workload[AgenticParams]):
     def _system(self) -> str:
         return text(self.rng("system"), self.params.system_tokens)
 
-    @cached_property
-    def _tools(self) -> list[str]:
-        return [text(self.rng("tools", a), self.params.tool_tokens) for a in range(self.params.agents)]
-
     def session(self, i: int) -> list[WorkloadRequest]:
         p = self.params
         rng = self.rng("session", i)
         agent = rng.randrange(p.agents)
-        tools = f"Tools:\n{self._tools[agent]}"
+        tools = "Tools:\n" + self.texts("tools", p.agents, p.tool_tokens)[agent]
         head = ([{"role": "system", "content": self._system}, {"role": "system", "content": tools}]
                 if p.tools_message else [{"role": "system", "content": f"{self._system}\n\n{tools}"}])
         messages = [*head, {"role": "user", "content": "Task: " + text(rng, p.task_tokens) + "."}]

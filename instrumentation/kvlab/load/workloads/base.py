@@ -84,6 +84,15 @@ class Workload(abc.ABC, Generic[P]):
         """A random generator determined by the seed, the workload and `key` (string seeding is stable)."""
         return random.Random(":".join(map(str, (self.seed, self.name, *key))))
 
+    def texts(self, kind: str, count: int, tokens: int) -> list[str]:
+        """`count` texts of `tokens` tokens each, determined by the seed and `kind` ("system",
+        "document", ...): the shared parts prompts are built from, made once per workload."""
+        cache: dict[tuple[str, int, int], list[str]] = self.__dict__.setdefault("_texts", {})
+        key = (kind, count, tokens)
+        if key not in cache:
+            cache[key] = [text(self.rng(kind, i), tokens) for i in range(count)]
+        return cache[key]
+
     @abc.abstractmethod
     def sessions(self) -> Iterator[list[WorkloadRequest]]:
         """The endless, deterministic stream of sessions."""

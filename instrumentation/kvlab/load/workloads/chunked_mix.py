@@ -11,7 +11,6 @@ blocking chunked decoding bounds, docs/chunked-decoding.md). Groups are `long` a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cached_property
 
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 from kvlab.telemetry import names
@@ -34,13 +33,10 @@ class ChunkedMix(Workload[ChunkedMixParams]):
     name = "chunked-mix"
     Params = ChunkedMixParams
 
-    @cached_property
-    def _systems(self) -> list[str]:
-        return [text(self.rng("system", g), self.params.system_tokens) for g in range(self.params.groups)]
-
     def sessions(self) -> Iterator[list[WorkloadRequest]]:
         rng = self.rng("order")
         p = self.params
+        systems = self.texts("system", p.groups, p.system_tokens)
         n = 0
         while True:
             n += 1
@@ -51,6 +47,6 @@ class ChunkedMix(Workload[ChunkedMixParams]):
             else:
                 g = rng.randrange(p.groups)
                 question = text(self.rng("question", n), p.question_tokens) + "?"
-                yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
+                yield [WorkloadRequest(messages=[{"role": "system", "content": systems[g]},
                                          {"role": "user", "content": question}],
                                max_tokens=p.output_tokens, group=f"short-{g}", headers=SHORT_HEADERS)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from functools import cached_property
 
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
@@ -29,12 +28,9 @@ class LongContext(Workload[LongContextParams]):
     name = "long-context"
     Params = LongContextParams
 
-    @cached_property
-    def _contexts(self) -> list[str]:
-        return [text(self.rng("context", c), self.params.context_tokens) for c in range(self.params.contexts)]
-
     def sessions(self) -> Iterator[list[WorkloadRequest]]:
         p = self.params
+        contexts = self.texts("context", p.contexts, p.context_tokens)
         rng = self.rng("order")
         weights = [1 / (c + 1) for c in range(p.contexts)]
         for n in itertools.count():
@@ -43,6 +39,6 @@ class LongContext(Workload[LongContextParams]):
                 context, group = text(self.rng("new", n), p.context_tokens), "new"
             else:
                 c = rng.choices(range(p.contexts), weights)[0]
-                context, group = self._contexts[c], f"c{c}"
+                context, group = contexts[c], f"c{c}"
             yield [WorkloadRequest(messages=[{"role": "user", "content": f"{context}\n\nQuestion: {question}"}],
                            max_tokens=p.output_tokens, group=group)]

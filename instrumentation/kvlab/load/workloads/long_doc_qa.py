@@ -7,7 +7,6 @@ reusable prefix. Fewer, longer prefixes than shared-prefix: each one costs much 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cached_property
 
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
@@ -24,17 +23,14 @@ class LongDocQa(Workload[LongDocQaParams]):
     name = "long-doc-qa"
     Params = LongDocQaParams
 
-    @cached_property
-    def _documents(self) -> list[str]:
-        return [text(self.rng("document", d), self.params.document_tokens) for d in range(self.params.documents)]
-
     def sessions(self) -> Iterator[list[WorkloadRequest]]:
         p = self.params
+        documents = self.texts("document", p.documents, p.document_tokens)
         rng = self.rng("order")
         while True:
             d = rng.randrange(p.documents)
             q = rng.randrange(p.questions_per_document)
             question = text(self.rng("question", d, q), p.question_tokens) + "?"
-            content = f"Document:\n{self._documents[d]}\n\nQuestion: {question}"
+            content = f"Document:\n{documents[d]}\n\nQuestion: {question}"
             yield [WorkloadRequest(messages=[{"role": "user", "content": content}], max_tokens=p.output_tokens,
                                    group=f"d{d}")]

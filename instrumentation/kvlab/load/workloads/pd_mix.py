@@ -10,7 +10,6 @@ workloads, so decode steps, which a long prefill on the same replica stalls, wei
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cached_property
 
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
@@ -28,13 +27,10 @@ class PdMix(Workload[PdMixParams]):
     name = "pd-mix"
     Params = PdMixParams
 
-    @cached_property
-    def _systems(self) -> list[str]:
-        return [text(self.rng("system", g), self.params.system_tokens) for g in range(self.params.groups)]
-
     def sessions(self) -> Iterator[list[WorkloadRequest]]:
         rng = self.rng("order")
         p = self.params
+        systems = self.texts("system", p.groups, p.system_tokens)
         n = 0
         while True:
             n += 1
@@ -45,6 +41,6 @@ class PdMix(Workload[PdMixParams]):
                                max_tokens=p.output_tokens, group="long")]
             else:
                 g = rng.randrange(p.groups)
-                yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
+                yield [WorkloadRequest(messages=[{"role": "system", "content": systems[g]},
                                          {"role": "user", "content": question}],
                                max_tokens=p.output_tokens, group=f"g{g}")]
