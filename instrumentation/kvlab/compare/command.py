@@ -18,7 +18,7 @@ import msgspec
 from rich.console import Console
 
 from kvlab.compare.results import Row, ceiling_for, request_counts, row, table
-from kvlab.compare.routers import Router, RouterStack, commands, resolve
+from kvlab.compare.routers import Router, RouterStack, capacity, commands, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.tokens import PromptTokenizer
@@ -60,12 +60,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-limit", type=float, help="seconds a router may take to reach --min-requests")
     p.add_argument("--run-dir", help="where to write (default: a new runs/<id>)")
     return p
-
-
-def capacity(topology: Topology) -> tuple[int, int | None]:
-    """(block size, blocks per replica) of the topology's engine; None blocks: sized by the engine."""
-    s = topology.sim if topology.engine == "sim" else topology.vllm
-    return s.block_size, s.num_blocks
 
 
 def _specs(args: argparse.Namespace, topology: Topology) -> dict[str, BenchSpec]:
@@ -131,7 +125,7 @@ def run_compare(argv: list[str], console: Console) -> Path:
     sections: dict[str, Any] = {}
     records: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with LocalStack(topology, run_dir, with_gateway=False) as base:
-        stack = RouterStack(base, routers, capacity(topology)[0], ready_timeout_s=base.ready_timeout_s)
+        stack = RouterStack(base, routers)
         with console.status("starting replicas and telemetry..."):
             stack.start()
         console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in base.replicas)} "

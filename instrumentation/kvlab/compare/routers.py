@@ -33,6 +33,7 @@ from kvlab.stack.base import StackInfo
 from kvlab.stack.launch import HOST
 from kvlab.stack.local import LocalStack
 from kvlab.stack.process import Child
+from kvlab.topology import Topology
 
 VLLM_ROUTER = ("vllm-router --host {host} --port {port} --worker-urls {url} --policy %s "
                "--prometheus-port {metrics_port}")
@@ -140,17 +141,22 @@ def program(name: str) -> str:
     return found
 
 
+def capacity(topology: Topology) -> tuple[int, int | None]:
+    """(block size, blocks per replica) of the topology's engine; None blocks: sized by the engine."""
+    s = topology.sim if topology.engine == "sim" else topology.vllm
+    return s.block_size, s.num_blocks
+
+
 class RouterStack:
     """A local stack whose `gateway_for` also starts peers: the one way `kvlab compare` and
     `kvlab lab` switch routers. kvlab presets go to the stack's own gateway; a peer is started on
     a free port (the previous router stopped first, so one router at a time sees the replicas)."""
 
-    def __init__(self, base: LocalStack, routers: list[Router], block_size: int,
-                 ready_timeout_s: float = 60.0) -> None:
+    def __init__(self, base: LocalStack, routers: list[Router]) -> None:
         self.base = base
         self.routers = {r.name: r for r in routers}
-        self.block_size = block_size
-        self.ready_timeout_s = ready_timeout_s
+        self.block_size = capacity(base.topology)[0]
+        self.ready_timeout_s = base.ready_timeout_s
         self.peer: Child | None = None
 
     @property
