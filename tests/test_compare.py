@@ -136,3 +136,22 @@ def test_compare_rejects_a_bad_router_before_starting_anything(tmp_path):
     assert result.returncode == 1
     assert "kvlab compare: unknown vllm-router policy 'best'" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_lab_policies_take_peer_names(tmp_path):
+    require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
+    (tmp_path / "t.yaml").write_text(TOPOLOGY)
+    result = kvlab("lab", "--topology", str(tmp_path / "t.yaml"), "--policies", "vllm-router:cache_aware,kv-aware",
+                   "--duration", "5", "--users", "4", "--min-requests", "0", "--run-dir", str(tmp_path / "run"),
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
+    assert list(phases) == ["vllm-router:cache_aware", "kv-aware"]
+    assert all(p["ok"] > 0 and p["errors"] == 0 for p in phases.values())
+    assert (tmp_path / "run" / "logs" / "router-vllm-router-cache_aware.log").exists()
+
+
+def test_lab_rejects_an_unknown_router_name(tmp_path):
+    result = kvlab("lab", "--policies", "round-robin,vllm-router:nope", cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and "kvlab lab: unknown vllm-router policy 'nope'" in result.stdout
