@@ -155,3 +155,33 @@ def test_lab_policies_take_peer_names(tmp_path):
 def test_lab_rejects_an_unknown_router_name(tmp_path):
     result = kvlab("lab", "--policies", "round-robin,vllm-router:nope", cwd=tmp_path, timeout=60)
     assert result.returncode == 1 and "kvlab lab: unknown vllm-router policy 'nope'" in result.stdout
+
+
+def test_the_relay_republishes_unix_socket_kv_events_on_loopback_tcp(tmp_path):
+    """vllm-router takes only tcp:// KV-event sources; kvlab's vLLM replicas publish on Unix sockets."""
+    import time
+
+    import zmq
+
+    from kvlab.compare.relay import Relay
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/kv.sock")
+    relay = Relay([f"ipc://{tmp_path}/kv.sock"])
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(relay.endpoints[0])
+    try:
+        assert relay.endpoints[0].startswith("tcp://127.0.0.1:")
+        frames = [b"kv-events", (7).to_bytes(8, "big"), b"\x91\x00"]
+        deadline = time.monotonic() + 10
+        while not sub.poll(100):   # PUB/SUB joins late: publish until the first batch arrives
+            assert time.monotonic() < deadline, "nothing relayed"
+            pub.send_multipart(frames)
+        assert sub.recv_multipart() == frames
+    finally:
+        relay.stop()
+        for s in (sub, pub):
+            s.close(linger=0)
+        ctx.term()

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from kvlab.compare.relay import Relay
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
@@ -158,6 +159,7 @@ class RouterStack:
         self.block_size = capacity(base.topology)[0]
         self.ready_timeout_s = base.ready_timeout_s
         self.peer: Child | None = None
+        self.relay: Relay | None = None   # KV events over TCP for the running peer, when it needs them
 
     @property
     def otlp_endpoint(self) -> str | None:
@@ -182,6 +184,9 @@ class RouterStack:
             self.base.children.remove(self.peer)
             self.peer = None
             self.base.write_state()
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None
 
     def stop_gateway(self) -> None:
         """Stop whichever router runs (kvlab's gateway or a peer)."""
@@ -199,8 +204,13 @@ class RouterStack:
     def _start_peer(self, name: str, template: str) -> str:
         if any(r.get("role", "both") != "both" for r in self.base.replicas):
             raise StackError(f"router {name}: peers route whole requests; this topology splits prefill and decode")
+        replicas = self.base.replicas
+        local = [r["kv_events"] for r in replicas if r.get("kv_events", "").startswith("ipc://")]
+        if "{kv_events}" in template and local:   # vLLM's Unix sockets: relayed to loopback TCP
+            self.relay = Relay([r["kv_events"] for r in replicas])
+            replicas = [{**r, "kv_events": e} for r, e in zip(replicas, self.relay.endpoints, strict=True)]
         port = free_port()
-        argv = render(template, self.base.replicas, port=port, metrics_port=free_port(),
+        argv = render(template, replicas, port=port, metrics_port=free_port(),
                       model=self.base.topology.model, block_size=self.block_size)
         log = self.base.logs / f"router-{name.replace(':', '-')}.log"
         self.peer = Child.start(f"router-{name}", argv, log)
