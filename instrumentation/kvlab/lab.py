@@ -23,16 +23,15 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.routers import RouterStack, resolve
+from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
-from kvlab.errors import KvlabError, StackError
+from kvlab.errors import KvlabError
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
 from kvlab.run.outcome import comparison, finish
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.stack.cli import resolve_topology
-from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, set_latest
 from kvlab.topology import Topology, load_topology
 
@@ -146,19 +145,9 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · {_plan(spec, phases)}")
     started = time.monotonic()
-    with LocalStack(topology, run_dir, with_gateway=False) as base:
-        stack = RouterStack(base, resolve([p.policy for p in phases]))   # presets and peers alike
-        with console.status("starting replicas and telemetry..."):
-            stack.start()
-        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in base.replicas)} "
-                      f"({time.monotonic() - started:.0f} s); logs in {base.logs}")
-        try:
-            with RichDisplay(console, waiting="starting router...") as display:
-                results = run_phases(stack, spec, phases, run_dir, display)
-        except StackError as exc:
-            advice = "".join(f"\n  doctor: {a}" for a in doctor.advice)
-            raise StackError(f"{exc}; {topology.engine} replica logs in {base.logs}{advice}") from None
-        stack.stop_gateway()
+    with local_routers(console, topology, run_dir, resolve([p.policy for p in phases]), doctor.advice) as stack, \
+            RichDisplay(console, waiting="starting router...") as display:   # presets and peers alike
+        results = run_phases(stack, spec, phases, run_dir, display)
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
@@ -171,7 +160,7 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": spec.workload, "seed": spec.seed, "users": spec.users, "seconds per phase": spec.duration_s}
     finish(console, run_dir, results, document, meta,
-           f"{base.traces_dir or base.otlp_endpoint or 'off'}  (kvlab traces explain)")
+           f"{stack.base.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
     return run_dir
 
 

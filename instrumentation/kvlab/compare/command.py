@@ -18,9 +18,9 @@ import msgspec
 from rich.console import Console
 
 from kvlab.compare.results import Row, ceiling_for, request_counts, row, table
-from kvlab.compare.routers import Router, RouterStack, capacity, commands, resolve
+from kvlab.compare.routers import Router, RouterStack, capacity, commands, local_routers, resolve
 from kvlab.doctor import preflight
-from kvlab.errors import ConfigError, StackError
+from kvlab.errors import ConfigError
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.lab import DEFAULT_TOPOLOGY, _run_dir, _topology, bench_spec
 from kvlab.load.runner import Progress
@@ -28,7 +28,6 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import guarded
 from kvlab.run.phases import Display, Phase, RichDisplay, run_phases
-from kvlab.stack.local import LocalStack
 from kvlab.stack.state import write_json
 from kvlab.tokenizer import Tokenizer
 from kvlab.topology import Topology
@@ -124,24 +123,12 @@ def run_compare(argv: list[str], console: Console) -> Path:
     started = time.monotonic()
     sections: dict[str, Any] = {}
     records: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    with LocalStack(topology, run_dir, with_gateway=False) as base:
-        stack = RouterStack(base, routers)
-        with console.status("starting replicas and telemetry..."):
-            stack.start()
-        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in base.replicas)} "
-                      f"({time.monotonic() - started:.0f} s); logs in {base.logs}")
-        try:
-            with RichDisplay(console, waiting="starting router...") as display:
-                for w, spec in specs.items():
-                    rows, records[w], note = measure(stack, spec, routers, run_dir / w, Labelled(display, w),
-                                                     tokenizer)
-                    sections[w] = {"workload": create(w, seed=spec.seed, params=spec.params).describe(),
-                                   "oracle_note": note, "routers": [msgspec.to_builtins(r) for r in rows]}
-        except StackError as exc:
-            advice = "".join(f"\n  doctor: {a}" for a in doctor.advice)
-            raise StackError(f"{exc}; logs in {base.logs}{advice}") from None
-        finally:
-            stack.stop_gateway()
+    with local_routers(console, topology, run_dir, routers, doctor.advice) as stack, \
+            RichDisplay(console, waiting="starting router...") as display:
+        for w, spec in specs.items():
+            rows, records[w], note = measure(stack, spec, routers, run_dir / w, Labelled(display, w), tokenizer)
+            sections[w] = {"workload": create(w, seed=spec.seed, params=spec.params).describe(),
+                           "oracle_note": note, "routers": [msgspec.to_builtins(r) for r in rows]}
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "command": "kvlab compare " + shlex.join(argv),
         "engine": topology.engine, "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),

@@ -21,10 +21,13 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from rich.console import Console
 
 from kvlab.compare.relay import Relay
 from kvlab.errors import ConfigError, StackError
@@ -225,3 +228,24 @@ class RouterStack:
             time.sleep(0.1)
         self.base.write_state()
         return url
+
+
+@contextmanager
+def local_routers(console: Console, topology: Topology, run_dir: Path, routers: list[Router],
+                  advice: list[str]) -> Iterator[RouterStack]:
+    """The replicas of `topology` started (a line says so) behind `routers`, for `kvlab lab` and
+    `kvlab compare`; a StackError gains the logs' place and doctor's `advice`; all stopped on exit."""
+    started = time.monotonic()
+    with LocalStack(topology, run_dir, with_gateway=False) as base:
+        stack = RouterStack(base, routers)
+        with console.status("starting replicas and telemetry..."):
+            stack.start()
+        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in base.replicas)} "
+                      f"({time.monotonic() - started:.0f} s); logs in {base.logs}")
+        try:
+            yield stack
+        except StackError as exc:
+            hints = "".join(f"\n  doctor: {a}" for a in advice)
+            raise StackError(f"{exc}; {topology.engine} replica logs in {base.logs}{hints}") from None
+        finally:
+            stack.stop_gateway()
