@@ -18,7 +18,7 @@ $(VENV)/.core: $(VENV)/bin/activate pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.core
-	$(PIP) install -q -e '.[dev,lab]'
+	$(PIP) install -q -e '.[dev,lab,peers]'   # peers: compare tests run the real vllm-router
 	$(MAKE) otel-proto
 	touch $@
 

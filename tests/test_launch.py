@@ -93,3 +93,27 @@ def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again
     monkeypatch.setattr(lifecycle, "_HANDED_OUT", type(lifecycle._HANDED_OUT)(maxlen=16))
     monkeypatch.setattr(socket, "socket", Fake)
     assert [lifecycle.free_port() for _ in range(3)] == [41000, 41001, 41002]
+
+
+def test_the_local_stack_gives_vllm_engines_their_ports_before_vllms_own_args(tmp_path, monkeypatch):
+    """`--ports` after the `--` reached vLLM's api_server, which exited (kvlab lab --engine vllm)."""
+    from kvlab.stack.cli import resolve_topology
+    from kvlab.stack.local import LocalStack
+    from kvlab.stack.process import Child
+    from kvlab.topology import load_topology
+
+    started: list[list[str]] = []
+
+    def start(cls, name, argv, log, env=None):
+        started.append(argv)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(Child, "start", classmethod(start))
+    stack = LocalStack(load_topology(resolve_topology("vllm")), tmp_path)
+    try:
+        stack.start_engines()
+    except RuntimeError:
+        pass
+    [argv] = started
+    assert argv.index("--ports") < argv.index("--") and argv.index("--kv-events-ports") < argv.index("--")
+    assert argv[argv.index("--") + 1:] == ["--max-num-batched-tokens", "512"]

@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("kvlab.doctor", "what this machine has (CPU ISA, cores, optional parts) and what the lab picks"),
     "lab": ("kvlab.lab", "run the before/after lab: cache-blind vs KV-aware (what `make lab` runs)"),
+    "compare": ("kvlab.compare.command", "the same replicas and workload through several routers, peers too"),
     "up": ("kvlab.stack.cli", "start a local stack (replicas, gateway, telemetry) from a topology"),
     "status": ("kvlab.stack.cli", "show the local stack's processes and health"),
     "down": ("kvlab.stack.cli", "stop the local stack"),

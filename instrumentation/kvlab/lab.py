@@ -23,15 +23,15 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
+from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
-from kvlab.errors import KvlabError, StackError
+from kvlab.errors import KvlabError
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
 from kvlab.run.outcome import comparison, finish
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.stack.cli import resolve_topology
-from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, set_latest
 from kvlab.topology import Topology, load_topology
 
@@ -57,7 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--users", type=int,
                    help=f"concurrent Locust users (default {FULL['users']}, quick {QUICK['users']})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one phase each")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help="comma-separated routers, one phase each: gateway presets or peers such as "
+                        "vllm-router:cache_aware (docs/compare.md)")
     p.add_argument("--quick", action="store_true", help="short phases (the CI check; ~1 minute in all)")
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
                    help="a phase also runs until this many requests completed (0: duration only)")
@@ -130,6 +132,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
                              policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                              quick=args.quick, duration_s=args.duration, users=args.users,
                              run_dir=Path(args.run_dir) if args.run_dir else None)
+    resolve(policies)   # an unknown router fails here, before anything starts
     return run_local_lab(args, topology, bench_spec(args, topology, QUICK if args.quick else FULL),
                          [Phase(p, p) for p in policies], console)
 
@@ -142,18 +145,9 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · {_plan(spec, phases)}")
     started = time.monotonic()
-    with LocalStack(topology, run_dir, with_gateway=False) as stack:
-        with console.status("starting replicas and telemetry..."):
-            stack.start()
-        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in stack.replicas)} "
-                      f"({time.monotonic() - started:.0f} s); logs in {stack.logs}")
-        try:
-            with RichDisplay(console, waiting="starting gateway...") as display:
-                results = run_phases(stack, spec, phases, run_dir, display)
-        except StackError as exc:
-            advice = "".join(f"\n  doctor: {a}" for a in doctor.advice)
-            raise StackError(f"{exc}; {topology.engine} replica logs in {stack.logs}{advice}") from None
-        stack.stop_gateway()
+    with local_routers(console, topology, run_dir, resolve([p.policy for p in phases]), doctor.advice) as stack, \
+            RichDisplay(console, waiting="starting router...") as display:   # presets and peers alike
+        results = run_phases(stack, spec, phases, run_dir, display)
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
@@ -166,7 +160,7 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": spec.workload, "seed": spec.seed, "users": spec.users, "seconds per phase": spec.duration_s}
     finish(console, run_dir, results, document, meta,
-           f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
+           f"{stack.base.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
     return run_dir
 
 

@@ -23,12 +23,14 @@ then every block seen before (the workload's reuse alone).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
-from kvlab.load.workloads import WorkloadRequest
+from kvlab.load.workloads import Workload, WorkloadRequest
 
 _NEVER = float("inf")
 
@@ -100,3 +102,15 @@ def oracle(requests: Iterable[WorkloadRequest], block_size: int, replicas: int, 
     """The ceiling for `requests` on `replicas` replicas of `blocks_per_replica` blocks each."""
     cap = None if blocks_per_replica is None else replicas * blocks_per_replica
     return ceiling(prompts(requests, block_size, tokenizer), block_size, cap)
+
+
+def replayed(workload: Workload[Any], records: Sequence[dict[str, Any]]) -> list[WorkloadRequest]:
+    """The requests a load run sent, in the order they were sent, rebuilt from the workload's seeded
+    stream and the `session`/`step` each record carries (the successful ones: the hit rate's base)."""
+    done = sorted((r for r in records if not r.get("error") and r.get("session") is not None),
+                  key=lambda r: r["ts"])
+    if not done:
+        return []
+    needed = max(r["session"] for r in done) + 1
+    sessions = list(itertools.islice(workload.sessions(), needed))
+    return [sessions[r["session"]][r["step"]] for r in done]

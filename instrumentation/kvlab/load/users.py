@@ -36,10 +36,11 @@ class Feed:
         self.model = model
         self.phase = phase
         self.policy = policy
-        self._sessions: Iterator[list[WorkloadRequest]] = workload.sessions()
+        self._sessions: Iterator[tuple[int, list[WorkloadRequest]]] = enumerate(workload.sessions())
         self.counter = itertools.count()
 
-    def next_session(self) -> list[WorkloadRequest]:
+    def next_session(self) -> tuple[int, list[WorkloadRequest]]:
+        """The next session and its index in the stream (recorded, so the oracle can replay it)."""
         return next(self._sessions)
 
 
@@ -67,15 +68,16 @@ class ChatUser(User):
         if feed is None:  # no test_start yet (cannot happen under Locust's runners)
             time.sleep(0.1)
             return
-        for req in feed.next_session():
-            if self.send(feed, req).status == 0:  # target unreachable: back off instead of spinning
+        session, requests_ = feed.next_session()
+        for step, req in enumerate(requests_):
+            if self.send(feed, req, session, step).status == 0:  # target unreachable: back off instead of spinning
                 time.sleep(0.5)
                 return
 
-    def send(self, feed: Feed, req: WorkloadRequest) -> Record:
+    def send(self, feed: Feed, req: WorkloadRequest, session: int | None = None, step: int = 0) -> Record:
         n = next(feed.counter)
         record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
-                        group=req.group, turn=req.turn)
+                        group=req.group, turn=req.turn, session=session, step=step)
         attrs: dict[str, str | int | bool] = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
                  names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}

@@ -146,8 +146,10 @@ class LocalStack:
             ready.unlink(missing_ok=True)
             argv = engine_argv(self.topology, pool, name, ready, self.logs)
             n = pool.replicas * pool.data_parallel_size   # fixed ports: a restarted engine comes back on them
-            argv += ["--ports", ",".join(str(free_port()) for _ in range(n)),
+            ports = ["--ports", ",".join(str(free_port()) for _ in range(n)),
                      "--kv-events-ports", ",".join(str(free_port()) for _ in range(n))]
+            at = argv.index("--") if "--" in argv else len(argv)   # before vLLM's own extra args
+            argv[at:at] = ports
             child = Child.start(f"engine-{pool.name}", argv, self.logs / f"engine-{pool.name}.log",
                                 self._env(f"kvlab-{self.topology.engine}"))
             self.children.append(child)

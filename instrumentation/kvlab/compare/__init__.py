@@ -1,0 +1,1 @@
+"""`kvlab compare`: the same replicas and seeded workload through several routers (docs/compare.md)."""

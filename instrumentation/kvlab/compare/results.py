@@ -1,0 +1,124 @@
+"""One row per router and workload: what `kvlab compare` prints and writes to compare.json.
+
+The hit rate is the engine's (`cached_tokens` over prompt tokens of the successful requests, as
+the engine reported them in each response's usage); its share of the oracle divides it by the
+ceiling `kvlab.load.oracle` computes for exactly the requests that router completed, in the order
+it sent them. Balance comes from the replicas' own request counters (`vllm:request_success_total`
+before and after), so it holds for routers that say nothing about where they sent a request.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from rich.table import Table
+
+from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.load.oracle import Oracle, oracle, replayed
+from kvlab.load.workloads import Workload
+from kvlab.telemetry import names
+
+
+class Row(msgspec.Struct, kw_only=True):
+    """One router on one workload (compare.json `workloads.<w>.routers[]`; docs/compare.md)."""
+
+    router: str
+    peer: bool
+    requests: int
+    ok: int
+    errors: int
+    first_error: str | None
+    hit_rate: float | None             # engine: sum(cached_tokens) / sum(prompt_tokens)
+    oracle_hit_rate: float | None      # the ceiling for the same requests on the same capacity
+    share_of_oracle: float | None
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None           # per-request mean inter-token latency, median
+    itl_p95_ms: float | None
+    rps: float
+    output_tok_s: float
+    replica_requests: dict[str, int]   # from each replica's own counter
+    max_load: float | None             # busiest replica's share / an even share (1.0 = even)
+
+
+def request_counts(replicas: list[dict[str, Any]]) -> dict[str, float]:
+    """Each replica's `vllm:request_success_total` now (a replica that does not answer is left out)."""
+    wanted = names.VLLM_REQUEST_SUCCESS + "_total"
+    out: dict[str, float] = {}
+    for r in replicas:
+        try:
+            with urllib.request.urlopen(f"{r['url']}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        out[r["name"]] = sum(s.value for f in text_string_to_metric_families(text)
+                             for s in f.samples if s.name == wanted)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def row(router: str, peer: bool, summary: dict[str, Any], ceiling: Oracle | None,
+        before: dict[str, float], after: dict[str, float]) -> Row:
+    """The row of one router's run: its summary.json, the oracle and the replicas' counters."""
+    served = {n: int(after[n] - before.get(n, 0.0)) for n in after}
+    total = sum(served.values())
+    hit = (summary.get("hit_rate") or {}).get("delivered")
+    top = ceiling.hit_rate if ceiling is not None and ceiling.prompt_tokens else None
+    ttft, itl = summary.get("ttft_ms") or {}, summary.get("itl_ms") or {}
+    return Row(router=router, peer=peer, requests=summary["requests"], ok=summary["ok"], errors=summary["errors"],
+               first_error=summary.get("first_error"), hit_rate=hit,
+               oracle_hit_rate=round(top, 4) if top is not None else None, share_of_oracle=_ratio(hit, top),
+               ttft_p50_ms=ttft.get("p50"), ttft_p95_ms=ttft.get("p95"), ttft_p99_ms=ttft.get("p99"),
+               itl_p50_ms=itl.get("p50"), itl_p95_ms=itl.get("p95"), rps=summary["rps"],
+               output_tok_s=summary["output_tok_s"], replica_requests=served,
+               max_load=round(max(served.values()) * len(served) / total, 3) if total else None)
+
+
+def ceiling_for(workload: Workload[Any], records: list[dict[str, Any]], block_size: int, replicas: int,
+                blocks_per_replica: int | None, tokenizer: PromptTokenizer) -> Oracle | None:
+    """The oracle for the requests one router completed (None: no request to judge)."""
+    sent = replayed(workload, records)
+    return oracle(sent, block_size, replicas, blocks_per_replica, tokenizer) if sent else None
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return fmt.format(value) if value is not None else "–"
+
+
+COLUMNS: list[tuple[str, str]] = [   # (header, what it shows); docs/compare.md explains each
+    ("router", "kvlab preset or peer"),
+    ("hit rate", "engine cached / prompt tokens"),
+    ("of oracle", "hit rate / oracle hit rate"),
+    ("TTFT p50", "ms"), ("p95", "ms"), ("p99", "ms"),
+    ("ITL p50", "ms, per-request mean"),
+    ("req/s", "completed requests per second"),
+    ("tok/s", "output tokens per second"),
+    ("errors", "failed / sent"),
+    ("balance", "requests per replica (max load: busiest ÷ even share)"),
+]
+
+
+def cells(r: Row) -> list[str]:
+    """A row as the terminal table and the HTML table show it."""
+    spread = "/".join(str(v) for v in r.replica_requests.values())
+    return [f"{r.router}{' (peer)' if r.peer else ''}", _f(r.hit_rate, "{:.3f}"), _f(r.share_of_oracle, "{:.0%}"),
+            _f(r.ttft_p50_ms, "{:.0f}"), _f(r.ttft_p95_ms, "{:.0f}"), _f(r.ttft_p99_ms, "{:.0f}"),
+            _f(r.itl_p50_ms, "{:.1f}"), f"{r.rps:.2f}", f"{r.output_tok_s:.0f}", f"{r.errors}/{r.requests}",
+            f"{spread} ({_f(r.max_load, '{:.2f}')})"]
+
+
+def table(workload: str, rows: list[Row], oracle_note: str) -> Table:
+    """The terminal table of one workload."""
+    t = Table(title=f"{workload} · {oracle_note}", title_justify="left")
+    for i, (header, _) in enumerate(COLUMNS):
+        t.add_column(header, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*cells(r))
+    return t

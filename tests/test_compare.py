@@ -1,0 +1,187 @@
+"""`kvlab compare` and the routers it starts: kvlab presets and real vllm-router peers, side by side."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require
+from kvlab.compare.routers import commands, render, resolve
+from kvlab.errors import ConfigError
+from kvlab.load.oracle import replayed
+from kvlab.load.workloads import create
+from kvlab.stack.process import runs_command
+
+TOPOLOGY = """
+name: compare-test
+model: kvlab-tiny
+engine: sim
+pools: [{name: replicas, role: both, replicas: 2}]
+sim: {profile: cpu-tiny, block_size: 16, num_blocks: 160, max_model_len: 2048, time_scale: 0.25}
+gateway: {policy: kv-aware}
+observability: {traces: "off", prometheus: "off"}
+workload: {name: shared-prefix, params: {groups: 6, system_tokens: 500, prompts_per_group: 8}}
+"""
+MINE = ("mine=vllm-router --host {host} --port {port} --worker-urls {url} --policy round_robin "
+        "--prometheus-port {metrics_port}")
+REPLICAS = [{"name": "sim-0", "url": "http://h:1", "kv_events": "tcp://h:11"},
+            {"name": "sim-1", "url": "http://h:2", "kv_events": "tcp://h:12"}]
+
+
+def has_vllm_router() -> bool:
+    return bool(shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
+
+
+def kvlab(*args: str, cwd: Path, timeout: float = 170) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvlab.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, KVLAB_RUNS_DIR=str(cwd / "runs"),
+                                                    COLUMNS="200"))
+
+
+# ---- names and templates ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("names", "message"), [
+    (["kv-awre"], "unknown router 'kv-awre': kvlab presets are round-robin"),
+    (["vllm-router:cache-aware"], "unknown vllm-router policy 'cache-aware'; choose one of: round_robin"),
+    (["prefix", "prefix"], "router 'prefix' is named twice"),
+])
+def test_bad_router_names_say_what_exists(names, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(names)
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("mine", "expected NAME=COMMAND"),
+    ("mine=my-router --listen 8000", r"must listen on \{port\}"),
+    ("mine=my-router --port {port} --up {upstreams}", "unknown placeholder 'upstreams'"),
+    ("kv-aware=my-router --port {port}", "taken by a built-in router"),
+])
+def test_bad_router_commands_are_config_errors(flag, message):
+    with pytest.raises(ConfigError, match=message):
+        commands([flag])
+
+
+def test_a_template_repeats_per_replica_words_once_per_replica():
+    argv = render("python --port {port} --workers {url} --kv={url}={kv_events} --model {model}", REPLICAS,
+                  port=9, metrics_port=10, model="m", block_size=16)
+    assert argv[1:] == ["--port", "9", "--workers", "http://h:1", "http://h:2", "--kv=http://h:1=tcp://h:11",
+                        "--kv=http://h:2=tcp://h:12", "--model", "m"]
+
+
+def test_vllm_router_kv_aware_is_fed_every_replicas_kv_events():
+    require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
+    [router] = resolve(["vllm-router:kv_aware"])
+    argv = render(router.template or "", REPLICAS, port=9, metrics_port=10, model="m", block_size=16)
+    assert "--kv-event-source=http://h:1=tcp://h:11" in argv and "--kv-event-source=http://h:2=tcp://h:12" in argv
+    assert argv[argv.index("--kv-event-block-size") + 1] == "16" and argv[argv.index("--policy") + 1] == "kv_aware"
+
+
+def test_the_oracle_replays_what_was_sent_in_send_order():
+    workload = create("multi-turn", seed=3, params={"turns": 3})
+    sessions = list(itertools.islice(workload.sessions(), 3))
+    records = [{"ts": 2.0, "session": 2, "step": 0}, {"ts": 1.0, "session": 0, "step": 1},
+               {"ts": 3.0, "session": 0, "step": 2, "error": "HTTP 500"}, {"ts": 0.5, "session": 0, "step": 0}]
+    assert replayed(workload, records) == [sessions[0][0], sessions[0][1], sessions[2][0]]
+
+
+# ---- end to end ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
+    root = tmp_path_factory.mktemp("compare")
+    (root / "t.yaml").write_text(TOPOLOGY)
+    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--routers", "kv-aware,vllm-router:cache_aware,mine",
+                   "--router", MINE, "--duration", "6", "--users", "4", "--run-dir", str(root / "run"), cwd=root)
+    return result, root / "run"
+
+
+def test_compare_runs_a_kvlab_router_and_external_ones_on_the_same_replicas(compared):
+    result, run = compared
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc = json.loads((run / "compare.json").read_text())
+    rows = {r["router"]: r for r in doc["workloads"]["shared-prefix"]["routers"]}
+    assert list(rows) == ["kv-aware", "vllm-router:cache_aware", "mine"]
+    assert [r["peer"] for r in rows.values()] == [False, True, True]
+    for name, r in rows.items():
+        assert r["ok"] >= 4 and r["errors"] == 0, (name, r)
+        # balance comes from the replicas' own counters: it adds up to what the client completed
+        assert abs(sum(r["replica_requests"].values()) - r["ok"]) <= 4, (name, r)
+        # the oracle is a ceiling for the very requests this router completed
+        assert r["oracle_hit_rate"] > 0 and r["hit_rate"] <= r["oracle_hit_rate"] + 1e-9, (name, r)
+    assert rows["kv-aware"]["share_of_oracle"] > 0.5
+    # the template's {url} reached vllm-router as both replicas: round_robin spreads evenly
+    assert rows["mine"]["max_load"] <= 1.25 and len(rows["mine"]["replica_requests"]) == 2
+    assert "vllm-router:cache_aware (peer)" in result.stdout and "of oracle" in result.stdout
+
+
+def test_compare_writes_the_html_report_and_stops_every_router(compared):
+    _, run = compared
+    page = (run / "compare.html").read_text()
+    assert "Plotly" in page and "vllm-router:cache_aware" in page and "Hit rate vs the oracle" in page
+    stack = json.loads((run / "stack.json").read_text())
+    assert stack["status"] == "stopped"
+    logs = sorted(p.name for p in (run / "logs").iterdir())
+    assert "router-vllm-router-cache_aware.log" in logs and "router-mine.log" in logs
+    assert not any(runs_command(p["pid"], p["argv"]) for p in stack["processes"])
+
+
+def test_compare_rejects_a_bad_router_before_starting_anything(tmp_path):
+    result = kvlab("compare", "--routers", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "kvlab compare: unknown vllm-router policy 'best'" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_lab_policies_take_peer_names(tmp_path):
+    require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
+    (tmp_path / "t.yaml").write_text(TOPOLOGY)
+    result = kvlab("lab", "--topology", str(tmp_path / "t.yaml"), "--policies", "vllm-router:cache_aware,kv-aware",
+                   "--duration", "5", "--users", "4", "--min-requests", "0", "--run-dir", str(tmp_path / "run"),
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
+    assert list(phases) == ["vllm-router:cache_aware", "kv-aware"]
+    assert all(p["ok"] > 0 and p["errors"] == 0 for p in phases.values())
+    assert (tmp_path / "run" / "logs" / "router-vllm-router-cache_aware.log").exists()
+
+
+def test_lab_rejects_an_unknown_router_name(tmp_path):
+    result = kvlab("lab", "--policies", "round-robin,vllm-router:nope", cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and "kvlab lab: unknown vllm-router policy 'nope'" in result.stdout
+
+
+def test_the_relay_republishes_unix_socket_kv_events_on_loopback_tcp(tmp_path):
+    """vllm-router takes only tcp:// KV-event sources; kvlab's vLLM replicas publish on Unix sockets."""
+    import time
+
+    import zmq
+
+    from kvlab.compare.relay import Relay
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/kv.sock")
+    relay = Relay([f"ipc://{tmp_path}/kv.sock"])
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(relay.endpoints[0])
+    try:
+        assert relay.endpoints[0].startswith("tcp://127.0.0.1:")
+        frames = [b"kv-events", (7).to_bytes(8, "big"), b"\x91\x00"]
+        deadline = time.monotonic() + 10
+        while not sub.poll(100):   # PUB/SUB joins late: publish until the first batch arrives
+            assert time.monotonic() < deadline, "nothing relayed"
+            pub.send_multipart(frames)
+        assert sub.recv_multipart() == frames
+    finally:
+        relay.stop()
+        for s in (sub, pub):
+            s.close(linger=0)
+        ctx.term()
