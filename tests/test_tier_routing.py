@@ -59,7 +59,10 @@ def test_tier_blind_policy_ignores_the_cpu_tier():
 
 
 def test_cpu_weight_trades_off_against_gpu():
-    router, _, precise = _router("kv-aware")
+    # the prefix scorer's tier weights alone: kv-aware's predicted_ttft counts CPU-held tokens as
+    # cached (no load cost), so with it b's longer CPU prefix would win on predicted time instead
+    cfg = load_policy("kv-aware")
+    router, _, precise = _router("kv-aware", weights=msgspec.structs.replace(cfg.weights, predicted_ttft=0.0))
     _store(precise, "a", 30, "GPU")               # 30 x 1.0 > 36 x 0.8
     _store(precise, "b", 36, "CPU")
     assert router.route(PROMPT).decision.chosen.name == "a"

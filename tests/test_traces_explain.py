@@ -42,8 +42,9 @@ def shadow(chosen: str, replicas: list[dict], prompt: int = 128) -> Decision:
 
 
 def kv_aware(replicas: list[dict], prompt: int = 128) -> Decision:
-    """What the gateway's kv-aware scheduler decides on these inputs."""
-    d = explain.counterfactual(shadow(replicas[0]["replica"], replicas, prompt))
+    """What the gateway's kv-aware scheduler decides on these inputs, with the weights the sentences
+    below were worked out for (KV_WEIGHTS: the preset's, without its predicted_ttft)."""
+    d = explain.counterfactual(shadow(replicas[0]["replica"], replicas, prompt), weights=KV_WEIGHTS)
     assert d is not None and not d.shadow and d.policy == "kv-aware"
     return d
 
