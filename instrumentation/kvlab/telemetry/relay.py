@@ -87,6 +87,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
     """The exporting process: rebuild spans, hand them to the SDK's batch processors."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from kvlab.lifecycle import settle_gc
     from kvlab.telemetry.setup import build_exporter
 
     resource = Resource(resource_attrs)
@@ -98,6 +99,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
         except Exception as exc:  # telemetry never breaks the caller
             log.warning("trace exporter %s disabled: %s", name, exc)
     decoder = msgspec.msgpack.Decoder()
+    settle_gc()   # it allocates a ReadableSpan and more per span, as a server does per request
     while True:
         try:
             msg = conn.recv_bytes()
