@@ -19,6 +19,7 @@ from test_telemetry_env import http_receiver  # noqa: F401  (fixture)
 PROBE = r"""
 import json, multiprocessing, os, sys, time
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 provider = configure_tracing("relay-probe", export_process=True)
@@ -51,6 +52,8 @@ with tracer.start_as_current_span("root", context=remote, kind=SpanKind.SERVER,
         rec.record_exception(KeyError("k"), {"extra": 1})
     root.set_status(StatusCode.OK)
 root.set_attribute("after end", 1)
+with tracer.start_as_current_span("orphan", context=Context()):   # no parent: the sampler's root decision
+    pass
 unsampled = propagate.extract({"traceparent": "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-00"})
 with tracer.start_as_current_span("not-sampled", context=unsampled):
     pass
@@ -62,9 +65,9 @@ print(json.dumps({"flushed": flushed, "shutdown_s": time.monotonic() - t}))
 """
 
 
-def run_probe(url: str, mode: str, export_process: str, expect: str | None = None) -> dict:
+def run_probe(url: str, mode: str, export_process: str, expect: str | None = None, **otel: str) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env = {**base, "OTEL_EXPORTER_OTLP_ENDPOINT": url, "KVLAB_TRACES_EXPORT_PROCESS": export_process}
+    env = {**base, **otel, "OTEL_EXPORTER_OTLP_ENDPOINT": url, "KVLAB_TRACES_EXPORT_PROCESS": export_process}
     proc = subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
     if expect:   # which provider made the spans
@@ -85,23 +88,31 @@ def received_spans(got) -> list[tuple[str, dict, dict]]:
     return sorted(out, key=lambda x: x[2]["name"])
 
 
-@pytest.mark.parametrize(("setting", "provider"), [("sdk", "TracerProvider"), ("1", "RecorderProvider")])
-def test_relay_exports_what_the_sdk_exports(http_receiver, setting, provider):  # noqa: F811
+@pytest.mark.parametrize(("setting", "provider", "sampler"), [
+    ("sdk", "TracerProvider", "parentbased_always_on"),
+    ("1", "RecorderProvider", "parentbased_always_on"),
+    ("1", "RecorderProvider", "parentbased_traceidratio"),   # ratio 0: roots dropped, children follow the parent
+])
+def test_relay_exports_what_the_sdk_exports(http_receiver, setting, provider, sampler):  # noqa: F811
     url, got = http_receiver
-    out = run_probe(url, "normal", "0", "TracerProvider")
+    otel = {"OTEL_TRACES_SAMPLER": sampler, "OTEL_TRACES_SAMPLER_ARG": "0"}
+    out = run_probe(url, "normal", "0", "TracerProvider", **otel)
     assert out["flushed"]
     in_thread = received_spans(got)
     got.requests.clear()
-    out = run_probe(url, "normal", setting, provider)
+    out = run_probe(url, "normal", setting, provider, **otel)
     assert out["flushed"]
     relayed = received_spans(got)
-    names = ["child", "linked", "raises", "recorded", "root renamed"]
+    names = ["child", "linked", "orphan", "raises", "recorded", "root renamed"]
+    if sampler == "parentbased_traceidratio":
+        names.remove("orphan")
     assert [s["name"] for _, _, s in relayed] == names   # the unsampled one is not sent
-    root = relayed[4][2]
+    span = {s["name"]: s for _, _, s in relayed}
+    root = span["root renamed"]
     assert root["traceId"] == "0af7651916cd43dd8448eb211c80319c" and root["parentSpanId"] == "b7ad6b7169203331"
-    assert relayed[0][2]["status"] == {"code": 1}   # OK is final
-    assert relayed[1][2]["links"][0]["spanId"] == root["spanId"]
-    assert relayed[2][2]["events"][0]["name"] == "exception"
+    assert span["child"]["status"] == {"code": 1}   # OK is final
+    assert span["linked"]["links"][0]["spanId"] == root["spanId"]
+    assert span["raises"]["events"][0]["name"] == "exception"
 
     def shape(spans):   # ids and times differ between the two runs; everything else must not
         keep = []

@@ -32,7 +32,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 from opentelemetry.util import types
@@ -60,7 +60,8 @@ def _cleaned(attributes: types.Attributes) -> dict[str, Any]:
 
 
 class RecordedSpan(trace_api.Span):
-    """A sampled span of a `RecorderTracer`: fields only, packed for the relay at `end`."""
+    """A sampled span of a `RecorderTracer` (unsampled ones are the API's NonRecordingSpan):
+    fields only, packed for the relay at `end`."""
 
     def __init__(self, tracer: RecorderTracer, name: str, context: SpanContext, parent: SpanContext | None,
                  kind: SpanKind, attributes: dict[str, Any], links: Sequence[Link], start: int,
@@ -139,7 +140,7 @@ class RecordedSpan(trace_api.Span):
             return
         self._end = end = end_time if end_time is not None else time_ns()
         relay = self._tracer.relay
-        if relay is None or not self._context.trace_flags.sampled:
+        if relay is None:
             return
         ctx, parent = self._context, self._parent
         trace_id = ctx.trace_id.to_bytes(16, "big")
@@ -169,6 +170,7 @@ class RecorderTracer(trace_api.Tracer):
         self.scope_name = name
         self.scope_version = version
         self._sampler = provider.sampler
+        self._follow_parent = type(provider.sampler) is ParentBased   # as built from OTEL_TRACES_SAMPLER
         self._ids = provider.ids
 
     def start_span(self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
@@ -176,26 +178,38 @@ class RecorderTracer(trace_api.Tracer):
                    start_time: int | None = None, record_exception: bool = True,
                    set_status_on_exception: bool = True) -> trace_api.Span:
         parent: SpanContext | None = trace_api.get_current_span(context).get_span_context()
-        if parent is None or not parent.is_valid:
-            parent = None
-            trace_id = self._ids.generate_trace_id()
-            random_id = True
-        else:
+        links = links or ()
+        if parent is not None and parent.is_valid and self._follow_parent:
+            # what ParentBased decides with its default delegates (every parentbased_* of
+            # OTEL_TRACES_SAMPLER): the parent's flag and trace state, without a SamplingResult
             trace_id = parent.trace_id
             random_id = parent.trace_flags.random_trace_id
-        links = links or ()
-        decision = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
-        if decision.decision is Decision.RECORD_AND_SAMPLE:
+            sampled = parent.trace_flags.sampled
+            trace_state = parent.trace_state
+            sampler_attributes = None
+        else:
+            if parent is None or not parent.is_valid:
+                parent = None
+                trace_id = self._ids.generate_trace_id()
+                random_id = True
+            else:
+                trace_id = parent.trace_id
+                random_id = parent.trace_flags.random_trace_id
+            decision = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
+            sampled = decision.decision is Decision.RECORD_AND_SAMPLE   # RECORD_ONLY would export nothing: dropped
+            trace_state = decision.trace_state
+            sampler_attributes = decision.attributes
+        if sampled:
             flags = _SAMPLED_RANDOM if random_id else _SAMPLED
         else:
             flags = _RANDOM if random_id else TraceFlags(TraceFlags.DEFAULT)
         span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
-                                   trace_flags=flags, trace_state=decision.trace_state)
-        if decision.decision is Decision.DROP:
+                                   trace_flags=flags, trace_state=trace_state)
+        if not sampled:
             return trace_api.NonRecordingSpan(span_context)
         recorded = _cleaned(attributes)
-        if decision.attributes:
-            recorded.update(decision.attributes)
+        if sampler_attributes:
+            recorded.update(sampler_attributes)
         return RecordedSpan(self, name, span_context, parent, kind, recorded,
                             [ln for ln in links if ln.context.is_valid],
                             start_time if start_time is not None else time_ns(),
