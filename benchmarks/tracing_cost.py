@@ -18,7 +18,8 @@ either GC; kvlab's span recorder (kvlab.telemetry.recorder) without export and w
 export (the default); and the default with a 10 % parent-based sample decided by the client. Each
 cost is relative to the "tracing off" row with the same GC settings. Columns: req/s at saturation
 and its cost; the gateway process's own CPU per request over the same window and the cost that
-implies on a core of its own (1 - off/setup: the steadier figure on a shared machine); the export
+implies on a core of its own (1 - off/setup: the steadier figure on a shared machine), from the
+least CPU of the rounds and, in brackets, from their medians; the export
 child's CPU per request; the gateway's RSS after the window and its growth during it; the
 gateway's added latency (via gateway - direct to the replica, sequential pairs at low load)
 p50/p99, so it excludes queueing. `--soak S` then samples the RSS through S seconds of saturation
@@ -32,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -64,6 +66,7 @@ class Setup:
     tree: str = "current"          # current | baseline
     sample_ratio: float = 1.0      # the client's sampling decision (sampled flag of its traceparent)
     reference: int | None = None   # the "tracing off" setup its costs are relative to
+    cpus: list[float] = field(default_factory=list)   # gateway CPU µs/request of each round
     result: dict[str, float] = field(default_factory=dict)
 
 
@@ -180,7 +183,7 @@ def main() -> int:
     if args.receiver:
         receiver_main(args.receiver)
         return 0
-    console = Console(width=200)
+    console = Console(width=250)
     work = Path(tempfile.mkdtemp(prefix="kvlab-tracing-cost-"))
     base_path = baseline_tree(args.baseline, work)
     rx_port = free_port()
@@ -228,15 +231,17 @@ def main() -> int:
             terminate(sim)
     table = Table(title=f"gateway tracing cost at saturation ({args.concurrency} clients, "
                         f"{args.seconds:g} s x {args.rounds} rounds, best round)")
-    for col in ("setup", "req/s", "cost", "gateway CPU µs/req", "CPU cost", "export child µs/req",
+    for col in ("setup", "req/s", "cost", "gateway CPU µs/req min (median)", "CPU cost min (median)", "export child µs/req",
                 "RSS MiB (growth)", "overhead p50 ms", "overhead p99 ms"):
         table.add_column(col, justify="left" if col == "setup" else "right")
     for s in setups:
         r = s.result
         off = setups[s.reference].result if s.reference is not None else r
         cost = f"{100 * (1 - r['rps'] / off['rps']):.1f} %" if s.reference is not None else "—"
-        cpu_cost = f"{100 * (1 - off['cpu'] / r['cpu']):.1f} %" if s.reference is not None else "—"
-        table.add_row(s.label, f"{r['rps']:,.0f}", cost, f"{r['cpu']:.0f}", cpu_cost, f"{r['child']:.0f}",
+        med, off_med = statistics.median(s.cpus), statistics.median(setups[s.reference or 0].cpus)
+        cpu_cost = (f"{100 * (1 - off['cpu'] / r['cpu']):.1f} % ({100 * (1 - off_med / med):.1f} %)"
+                    if s.reference is not None else "—")
+        table.add_row(s.label, f"{r['rps']:,.0f}", cost, f"{r['cpu']:.0f} ({med:.0f})", cpu_cost, f"{r['child']:.0f}",
                       f"{r['rss']:.0f} ({r['rss_growth']:+.1f})", f"{r['p50']:.3f}", f"{r['p99']:.3f}")
     console.print(table)
     if soaked is not None:
@@ -287,6 +292,7 @@ def measure(setup: Setup, endpoints: str, direct: str, base_path: Path, args: ar
         own_us = (cpu_seconds_own(gw.pid) - own0) / n * 1e6
         child_us = (cpu_seconds(gw.pid) - all0) / n * 1e6 - own_us
         rss1 = rss_mib(gw.pid)
+        setup.cpus.append(own_us)
         lat = asyncio.run(added_latency(direct, url, args.latency_requests, setup.sample_ratio))
     best = setup.result.get("rps", 0.0)
     if rps > best:   # best of the rounds: a co-tenant's burst only ever slows a round down

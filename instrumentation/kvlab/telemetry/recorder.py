@@ -33,7 +33,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased
-from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 from opentelemetry.trace.status import Status, StatusCode
 from opentelemetry.util import types
 
@@ -142,14 +142,14 @@ class RecordedSpan(trace_api.Span):
         relay = self._tracer.relay
         if relay is None:
             return
-        ctx, parent = self._context, self._parent
-        trace_id = ctx.trace_id.to_bytes(16, "big")
-        relay.add((self._name, trace_id, ctx.span_id, int(ctx.trace_flags),
-                   parent.span_id if parent else 0, bool(parent and parent.is_remote), self._kind.value,
+        ctx, parent, status = self._context, self._parent, self._status
+        # `_value_` (the enum's documented member value) rather than `.value`, a Python-level property
+        relay.add((self._name, ctx.trace_id.to_bytes(16, "big"), ctx.span_id, int(ctx.trace_flags),
+                   parent.span_id if parent else 0, bool(parent and parent.is_remote), self._kind._value_,
                    self._start, end, self._attributes, self._events,
                    [(ln.context.trace_id.to_bytes(16, "big"), ln.context.span_id, int(ln.context.trace_flags),
-                     ln.context.is_remote, _cleaned(ln.attributes)) for ln in self._links],
-                   self._status.status_code.value, self._status.description,
+                     ln.context.is_remote, _cleaned(ln.attributes)) for ln in self._links] if self._links else [],
+                   status.status_code._value_, status.description,
                    self._tracer.scope_name, self._tracer.scope_version))
 
     def __exit__(self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
@@ -185,7 +185,7 @@ class RecorderTracer(trace_api.Tracer):
             trace_id = parent.trace_id
             random_id = parent.trace_flags.random_trace_id
             sampled = parent.trace_flags.sampled
-            trace_state = parent.trace_state
+            trace_state: TraceState | None = parent.trace_state
             sampler_attributes = None
         else:
             if parent is None or not parent.is_valid:
