@@ -21,6 +21,7 @@ import json, multiprocessing, os, sys, time
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from kvlab.telemetry import genai
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 provider = configure_tracing("relay-probe", export_process=True)
 tracer = trace.get_tracer("relay.probe", "1.2")
@@ -33,8 +34,11 @@ with tracer.start_as_current_span("root", context=remote, kind=SpanKind.SERVER,
     root.set_attribute("late", "y")
     root.set_attribute("late.n", 7)
     root.set_attribute("late.l", (1.5, 2.5))
-    root.set_attributes({"many.a": 1, "many.b": ["p", "q"], "none": None})
+    root.set_attributes({"many.a": 1, "many.b": ["p", "q"], "none": None, "gen_ai.operation.name": "chat"})
     root.update_name("root renamed")
+    name, attrs = genai.call_of(root, "gateway.upstream", "http://replica:8000")   # reads the span back
+    with tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attrs):
+        pass
     with tracer.start_as_current_span("child", kind=SpanKind.CLIENT) as child:
         child.add_event("ev", {"k": "v", "n": 3})
         child.add_event("bare")
@@ -85,7 +89,7 @@ def received_spans(got) -> list[tuple[str, dict, dict]]:
             for ss in rs["scopeSpans"]:
                 for span in ss["spans"]:
                     out.append((json.dumps(ss["scope"], sort_keys=True), resource, span))
-    return sorted(out, key=lambda x: x[2]["name"])
+    return sorted(out, key=lambda x: (x[2]["name"], x[2]["kind"]))
 
 
 @pytest.mark.parametrize(("setting", "provider", "sampler"), [
@@ -103,16 +107,18 @@ def test_relay_exports_what_the_sdk_exports(http_receiver, setting, provider, sa
     out = run_probe(url, "normal", setting, provider, **otel)
     assert out["flushed"]
     relayed = received_spans(got)
-    names = ["child", "linked", "orphan", "raises", "recorded", "root renamed"]
+    names = ["child", "linked", "orphan", "raises", "recorded", "root renamed", "root renamed"]
     if sampler == "parentbased_traceidratio":
         names.remove("orphan")
     assert [s["name"] for _, _, s in relayed] == names   # the unsampled one is not sent
-    span = {s["name"]: s for _, _, s in relayed}
+    span = {s["name"]: s for _, _, s in relayed if s["kind"] != 3 or s["name"] != "root renamed"}
     root = span["root renamed"]
     assert root["traceId"] == "0af7651916cd43dd8448eb211c80319c" and root["parentSpanId"] == "b7ad6b7169203331"
     assert span["child"]["status"] == {"code": 1}   # OK is final
     assert span["linked"]["links"][0]["spanId"] == root["spanId"]
     assert span["raises"]["events"][0]["name"] == "exception"
+    call = next(s for _, _, s in relayed if s["kind"] == 3 and s["name"] == "root renamed")   # named after root
+    assert {"key": "gen_ai.operation.name", "value": {"stringValue": "chat"}} in call["attributes"]
 
     def shape(spans):   # ids and times differ between the two runs; everything else must not
         keep = []

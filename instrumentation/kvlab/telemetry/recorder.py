@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import time_ns
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 from opentelemetry import trace as trace_api
@@ -82,6 +82,14 @@ class RecordedSpan(trace_api.Span):
 
     def get_span_context(self) -> SpanContext:
         return self._context
+
+    @property
+    def name(self) -> str:   # read back as from the SDK's span (telemetry.genai.call_of does)
+        return self._name
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        return MappingProxyType(self._attributes)
 
     def is_recording(self) -> bool:
         return self._end is None
