@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import require
 from kvlab.kvcache.hashing import block_keys
-from kvlab.load.summary import summarize
+from kvlab.load.summary import HitRate, Summary, summarize
 from kvlab.report import write_report
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
@@ -121,7 +121,7 @@ def test_funnel_and_examples(run):
     assert [t.name for t in fig.data] == ["round-robin", "kv-aware"]
     kv = fig.data[1].x
     assert kv[0] >= kv[1] >= kv[2] > 0
-    blind = {"baseline-service": {"hit_rate": {"available": None, "predicted": None, "delivered": 0.2}}}
+    blind = {"baseline-service": Summary(hit_rate=HitRate(available=None, predicted=None, delivered=0.2))}
     assert not mechanism.funnel_figure(blind).data       # unknown is not drawn as 0
     figs, decisions = mechanism.figures(root, phases)
     assert len(figs) == 3 and len(decisions) == len(REQUESTS)

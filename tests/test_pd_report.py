@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvlab.gateway.config import load_policy
+from kvlab.load.summary import Summary
 from kvlab.load.workloads import create
 from kvlab.report.html import render
 from kvlab.report.pd import section
@@ -40,7 +41,7 @@ def test_report_pd_section_only_when_decisions_exist():
     assert "<td>kv-aware</td><td>long uncached</td><td>split</td><td>1</td><td>300</td>" in html
     assert "<td>kv-aware</td><td>shared prefix</td><td>unified</td><td>1</td>" in html   # the error is left out
     assert "<td>kv-aware-unified</td><td>long uncached</td><td>off</td>" in html
-    summary = {"ok": 1, "errors": 0}
+    summary = Summary(ok=1, errors=0)
     page = render({"kv-aware": {"summary": summary, "records": split}}, {"run": "x"})
     assert "Prefill/decode disaggregation" in page
 

@@ -58,8 +58,8 @@ def test_summary_reports_worst_gaps_and_every_gap():
     stalled = {"ts": 1.0, "e2e_ms": 900.0, "itl_ms": 46.0, "itl_max_ms": 370.0, "itl_gaps_ms": [10.0] * 9 + [370.0]}
     old = {"ts": 1.0, "e2e_ms": 500.0, "itl_ms": 10.0}          # a record written before these fields existed
     s = summarize([smooth] * 9 + [stalled, old])
-    assert s["itl_ms"]["p50"] == 10.0 and s["itl_ms"]["p99"] > 40          # per-request means, as before (+ p99)
-    assert s["itl_max_ms"]["p50"] == 12.0 and s["itl_max_ms"]["p99"] > 300
-    assert s["token_itl_ms"]["p50"] == 10.0 and s["token_itl_ms"]["p99"] > 12.0   # over the 100 gaps
-    assert s["token_itl_ms"]["mean"] == pytest.approx((10.0 * 90 + 12.0 * 9 + 370.0) / 100, abs=1e-3)
-    assert summarize([old])["itl_max_ms"]["p50"] is None
+    assert s.itl_ms.p50 == 10.0 and s.itl_ms.p99 > 40          # per-request means, as before (+ p99)
+    assert s.itl_max_ms.p50 == 12.0 and s.itl_max_ms.p99 > 300
+    assert s.token_itl_ms.p50 == 10.0 and s.token_itl_ms.p99 > 12.0   # over the 100 gaps
+    assert s.token_itl_ms.mean == pytest.approx((10.0 * 90 + 12.0 * 9 + 370.0) / 100, abs=1e-3)
+    assert summarize([old]).itl_max_ms.p50 is None

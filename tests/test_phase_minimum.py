@@ -21,9 +21,9 @@ def test_phase_runs_past_its_duration_until_the_minimum(tmp_path):
     with sim_process(tmp_path, "--no-kv-events") as (_, info):
         summary = run_bench(info["replicas"][0]["url"], tmp_path / "phase",
                             BenchSpec(params=COLD, users=1, duration_s=2, min_requests=5, limit_s=60), phase="p")
-    assert summary["ok"] >= 5 and summary["duration_s"] > 3.0
-    assert (summary["min_requests"], summary["limit_s"]) == (5, 60)
-    assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary["ok"]
+    assert summary.ok >= 5 and summary.duration_s > 3.0
+    assert (summary.min_requests, summary.limit_s) == (5, 60)
+    assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary.ok
 
 
 def test_phase_that_cannot_reach_its_minimum_fails_naming_the_slow_part(tmp_path):

@@ -27,7 +27,7 @@ from kvlab.errors import StackError
 from kvlab.lab import QUICK
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import read_jsonl
+from kvlab.load.summary import read_jsonl, read_summary
 from kvlab.run.phases import Phase, run_phases
 from kvlab.stack import attached
 from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
@@ -219,7 +219,7 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
 def load_phase(out: Path) -> dict[str, Any]:
     """{"dir", "summary", "records", "samples", "engines"} of one phase folder."""
     extra = json.loads((out / "replica-samples.json").read_text()) if (out / "replica-samples.json").exists() else {}
-    return {"dir": out, "summary": json.loads((out / "summary.json").read_text()),
+    return {"dir": out, "summary": read_summary(out / "summary.json"),
             "records": read_jsonl(out / "requests.jsonl"), "samples": extra.get("samples", []),
             "engines": extra.get("engine_prefix_cache", {})}
 
@@ -231,10 +231,9 @@ def phase(stack: dict[str, Any], policy: str, **kw: Any) -> dict[str, Any]:
     if found is not None:
         earlier = load_phase(found)
         s = earlier["summary"]
-        wanted = {"workload": kw.get("workload", "shared-prefix"), "seed": kw.get("seed", 0),
-                  "users": kw.get("users", QUICK_USERS),
-                  "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
-        if all(s.get(k) == v for k, v in wanted.items()):
+        wanted = (kw.get("workload", "shared-prefix"), kw.get("seed", 0), kw.get("users", QUICK_USERS),
+                  kw.get("duration_s", QUICK_DURATION_S))
+        if (s.workload, s.seed, s.users, s.configured_duration_s) == wanted:
             print(f"using {found.relative_to(stack['run_dir'])} from an earlier notebook (same workload, seed, users)")
             return earlier
     return run_phase(stack, policy, **kw)

@@ -17,7 +17,7 @@ import numpy as np
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import summarize
+from kvlab.load.summary import Summary, summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
 RAMP_SHAPE = Path(__file__).with_name("ramp_shape.py")
@@ -83,7 +83,7 @@ def slow_part(records: list[dict[str, Any]], elapsed_s: float) -> str:
 
 
 def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str = "", policy: str = "",
-              otlp_endpoint: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+              otlp_endpoint: str | None = None, progress: Progress | None = None) -> Summary:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
     locust.log. With `spec.ramp`, users follow it (`users`/`duration_s` are then taken from it).
 
@@ -127,14 +127,13 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     if proc.returncode != 0 and not records:
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
-    summary = summarize(records) | {
-        "phase": phase, "policy": policy, "target": target, "users": users, "seed": spec.seed,
-        "workload": spec.workload, "workload_params": spec.params, "configured_duration_s": duration_s,
-        "min_requests": min_requests, "limit_s": limit_s if min_requests else None,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if min_requests and summary["ok"] < min_requests:
-        raise StackError(f"phase {phase or policy or '?'} completed {summary['ok']} of the {min_requests} requests "
+    summary = msgspec.structs.replace(
+        summarize(records), phase=phase, policy=policy, target=target, users=users, seed=spec.seed,
+        workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
+        min_requests=min_requests, limit_s=limit_s if min_requests else None)
+    (out / "summary.json").write_text(summary.to_json())
+    if min_requests and summary.ok < min_requests:
+        raise StackError(f"phase {phase or policy or '?'} completed {summary.ok} of the {min_requests} requests "
                          f"it needs within its {limit_s:.0f}-s limit: "
                          f"{slow_part(records, time.monotonic() - start)}")
     return summary

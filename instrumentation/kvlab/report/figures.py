@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+
+from kvlab.load.summary import Summary
 
 COLORS = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e", "#9467bd"]   # phase 1 red (before), 2 green (after)
 Records = list[dict[str, Any]]
@@ -61,12 +64,12 @@ def requests_per_replica(phases: dict[str, Records]) -> go.Figure:
     return _layout(fig, "Requests per replica", barmode="group")
 
 
-def hit_rates(summaries: dict[str, dict[str, Any]]) -> go.Figure:
+def hit_rates(summaries: Mapping[str, Summary]) -> go.Figure:
     """available / predicted / delivered prompt-token fractions per phase."""
     kinds = ["available", "predicted", "delivered"]
     fig = go.Figure()
     for i, (phase, s) in enumerate(summaries.items()):
-        values = [(s.get("hit_rate") or {}).get(k) for k in kinds]
+        values = [s.hit_rate.available, s.hit_rate.predicted, s.hit_rate.delivered]
         fig.add_trace(go.Bar(name=phase, x=kinds, y=[v or 0 for v in values], marker_color=COLORS[i % 5],
                              text=[f"{v:.0%}" if v is not None else "n/a" for v in values], textposition="outside"))
     fig.update_yaxes(title="fraction of prompt tokens", tickformat=".0%", range=[0, 1.1])

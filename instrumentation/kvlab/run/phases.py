@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.runner import run_bench
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import read_jsonl
+from kvlab.load.summary import Summary, read_jsonl
 from kvlab.stack.base import Stack
 
 
@@ -40,7 +40,7 @@ class PhaseResult(msgspec.Struct, kw_only=True):
 
     phase: Phase
     dir: Path
-    summary: dict[str, Any]
+    summary: Summary
     records: list[dict[str, Any]]
     resets: dict[str, str | None] = msgspec.field(default_factory=dict)   # replica -> why a reset failed
 

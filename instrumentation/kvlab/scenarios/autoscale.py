@@ -187,7 +187,7 @@ def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy:
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
         "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
         "duration_s": ramp.duration_s, "quick": quick,
-        "policies": [policy], "phases": {policy: summary}, "autoscale": result,
+        "policies": [policy], "phases": {policy: msgspec.to_builtins(summary)}, "autoscale": result,
         "wall_s": round(time.monotonic() - started, 1),
     }
     write_json(run_dir / "summary.json", document)

@@ -13,7 +13,7 @@ at request times only, for the group being requested.
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.errors import KvlabError
 from kvlab.kvcache.hashing import block_keys
+from kvlab.load.summary import Summary
 from kvlab.traces import explain
 from kvlab.traces.decision import Decision, decision_of
 from kvlab.traces.span import Trace
@@ -177,17 +178,17 @@ def residency_figure(by_policy: dict[str, Residency], frames: int = 10) -> go.Fi
 
 # ---- the funnel ---------------------------------------------------------------------------------
 
-def funnel_figure(summaries: dict[str, dict[str, Any]]) -> go.Figure:
+def funnel_figure(summaries: Mapping[str, Summary]) -> go.Figure:
     """available → predicted → delivered, token-weighted fractions of prompt tokens, per phase:
     the drop from available to predicted is cache lost to routing, from predicted to delivered
     cache lost to eviction or a stale index."""
     fig = go.Figure()
     colors = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e"]
     for i, (phase, s) in enumerate(summaries.items()):
-        hit = s.get("hit_rate") or {}
-        if any(hit.get(k) is None for k in ("available", "predicted", "delivered")):
+        hit = s.hit_rate
+        if hit.available is None or hit.predicted is None or hit.delivered is None:
             continue     # not behind the gateway (a cluster's baseline Service): unknown, not 0
-        values = [float(hit[k]) for k in ("available", "predicted", "delivered")]
+        values = [hit.available, hit.predicted, hit.delivered]
         fig.add_trace(go.Funnel(name=phase, y=["available (any replica)", "predicted (chosen replica)",
                                                "delivered (engine reused)"], x=values,
                                 texttemplate="%{x:.0%}", marker=dict(color=colors[i % 4]),
