@@ -6,15 +6,16 @@ import json
 
 from rich.console import Console
 
+from kvlab.load.measure import Record
 from kvlab.load.runner import JsonlTail
 from kvlab.load.summary import HitRate, summarize
 from kvlab.load.table import summary_table
 
 
 def rec(i, ttft, cached, error=None, replica="sim-0", prompt=1000, available=None, predicted=None):
-    return {"ts": 100.0 + i * 0.5, "ttft_ms": ttft, "itl_ms": 10.0, "tpot_ms": 11.0, "e2e_ms": 400.0,
-            "prompt_tokens": prompt, "output_tokens": 32, "cached_tokens": cached, "available_tokens": available,
-            "predicted_tokens": predicted, "replica": replica, "error": error}
+    return Record(ts=100.0 + i * 0.5, ttft_ms=ttft, itl_ms=10.0, tpot_ms=11.0, e2e_ms=400.0,
+                  prompt_tokens=prompt, output_tokens=32, cached_tokens=cached, available_tokens=available,
+                  predicted_tokens=predicted, replica=replica, error=error)
 
 
 def test_percentiles_rates_and_hit_rates():
@@ -45,11 +46,11 @@ def test_jsonl_tail_reads_only_complete_lines(tmp_path):
     tail = JsonlTail(path)
     assert tail.poll() == []
     with open(path, "w") as f:
-        f.write(json.dumps({"a": 1}) + "\n" + '{"a": ')
-    assert tail.poll() == [{"a": 1}]
+        f.write(json.dumps({"ts": 1}) + "\n" + '{"ts": ')
+    assert tail.poll() == [Record(ts=1)]
     with open(path, "a") as f:
         f.write('2}\n')
-    assert tail.poll() == [{"a": 1}, {"a": 2}]
+    assert tail.poll() == [Record(ts=1), Record(ts=2)]
 
 
 def test_table_shows_the_change_in_the_right_direction():

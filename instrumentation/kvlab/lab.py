@@ -192,8 +192,8 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
             results = run_phases(stack, spec, phases, run_dir, display)
     finally:
         stack.stop()
-    answered = {r["policy"] for res in results if res.phase.entry == "gateway"
-                for r in res.records if r.get("policy")} - {policy}
+    answered = {r.policy for res in results if res.phase.entry == "gateway"
+                for r in res.records if r.policy} - {policy}
     if answered:
         console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "
                       f"{policy}: pass the --topology you deployed[/yellow]")

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
 from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.load.measure import Record
 from kvlab.load.oracle import Oracle, oracle, replayed
 from kvlab.load.summary import Summary
 from kvlab.load.workloads import Workload
@@ -82,7 +83,7 @@ def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
                max_load=round(max(served.values()) * len(served) / total, 3) if total else None)
 
 
-def ceiling_for(workload: Workload[Any], records: list[dict[str, Any]], block_size: int, replicas: int,
+def ceiling_for(workload: Workload[Any], records: list[Record], block_size: int, replicas: int,
                 blocks_per_replica: int | None, tokenizer: PromptTokenizer) -> Oracle | None:
     """The oracle for the requests one router completed (None: no request to judge)."""
     sent = replayed(workload, records)

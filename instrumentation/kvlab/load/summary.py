@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from kvlab.load.measure import Record
 
 SCHEMA_VERSION = 1
 
@@ -87,20 +90,6 @@ def read_summary(path: str | Path) -> Summary:
     return msgspec.json.decode(Path(path).read_bytes(), type=Summary)
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of `path` (a line cut short by a killed writer is skipped)."""
-    out: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def _round(value: np.floating[Any]) -> float:
     return round(float(value), 3)
 
@@ -122,7 +111,7 @@ def _fraction(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def summarize(records: list[dict[str, Any]]) -> Summary:
+def summarize(records: Sequence[Record]) -> Summary:
     """Latency percentiles, throughput, hit-rate decomposition and routing spread of one run.
 
     Rates use the measured window (first request sent to last one finished); hit rates are token
@@ -133,35 +122,36 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
     request's worst gap (decode stalls), `token_itl_ms` over every gap of every request (vLLM's
     benchmark definition of ITL percentiles).
     """
-    ok = [r for r in records if not r.get("error")]
-    errors = [r for r in records if r.get("error")]
+    ok = [r for r in records if not r.error]
+    errors = [r for r in records if r.error]
     window = 0.0
     if records:
-        start = min(r["ts"] for r in records)
-        end = max(r["ts"] + r.get("e2e_ms", 0.0) / 1000 for r in records)
+        start = min(r.ts for r in records)
+        end = max(r.ts + r.e2e_ms / 1000 for r in records)
         window = max(end - start, 1e-9)
-    out_tokens = sum(r.get("output_tokens") or 0 for r in ok)
-    def hit(key: str) -> float | None:
-        rows = [r for r in ok if r.get(key) is not None and r.get("prompt_tokens")]
-        return _fraction(sum(r[key] for r in rows), sum(r["prompt_tokens"] for r in rows))
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def hit(tokens: Callable[[Record], int | None]) -> float | None:
+        rows = [(n, r.prompt_tokens) for r in ok if (n := tokens(r)) is not None and r.prompt_tokens]
+        return _fraction(sum(n for n, _ in rows), sum(p or 0 for _, p in rows))
 
     return Summary(
         requests=len(records),
         ok=len(ok),
         errors=len(errors),
-        first_error=errors[0]["error"] if errors else None,
+        first_error=errors[0].error if errors else None,
         duration_s=round(window, 3),
         rps=round(len(ok) / window, 3) if window else 0.0,
         output_tok_s=round(out_tokens / window, 3) if window else 0.0,
-        ttft_ms=_pcts([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]),
-        itl_ms=_pcts([r["itl_ms"] for r in ok if r.get("itl_ms") is not None]),
-        itl_max_ms=_pcts([r["itl_max_ms"] for r in ok if r.get("itl_max_ms") is not None]),
-        token_itl_ms=_pcts([g for r in ok for g in r.get("itl_gaps_ms") or ()]),
-        tpot_ms=_short_pcts([r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None]),
-        e2e_ms=_pcts([r["e2e_ms"] for r in ok]),
-        prompt_tokens=sum(r.get("prompt_tokens") or 0 for r in ok),
+        ttft_ms=_pcts([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        itl_ms=_pcts([r.itl_ms for r in ok if r.itl_ms is not None]),
+        itl_max_ms=_pcts([r.itl_max_ms for r in ok if r.itl_max_ms is not None]),
+        token_itl_ms=_pcts([g for r in ok for g in r.itl_gaps_ms or ()]),
+        tpot_ms=_short_pcts([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        e2e_ms=_pcts([r.e2e_ms for r in ok]),
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
         output_tokens=out_tokens,
-        hit_rate=HitRate(available=hit("available_tokens"), predicted=hit("predicted_tokens"),
-                         speculative=hit("speculative_tokens"), delivered=hit("cached_tokens")),
-        replicas=dict(sorted(Counter(r.get("replica") or "?" for r in ok).items())),
+        hit_rate=HitRate(available=hit(lambda r: r.available_tokens), predicted=hit(lambda r: r.predicted_tokens),
+                         speculative=hit(lambda r: r.speculative_tokens), delivered=hit(lambda r: r.cached_tokens)),
+        replicas=dict(sorted(Counter(r.replica or "?" for r in ok).items())),
     )

@@ -17,6 +17,7 @@ from kvlab.load.table import ROWS
 from kvlab.report import figures
 from kvlab.report.autoscale import section as autoscale_section
 from kvlab.report.pd import section as pd_section
+from kvlab.run.phases import PhaseResult
 from kvlab.traces.mechanism import section as mechanism_section
 
 PLOT_CONFIG = {"displaylogo": False}
@@ -73,17 +74,17 @@ directory (<code>kvlab traces explain</code>).</p>
 """
 
 
-def title(phases: dict[str, dict[str, Any]]) -> str:
+def title(phases: Mapping[str, PhaseResult]) -> str:
     """The report's heading: the phases it compares, e.g. "kvlab: round-robin vs kv-aware"."""
-    ramp = " under a load ramp, autoscaled" if any(v.get("autoscale") for v in phases.values()) else ""
+    ramp = " under a load ramp, autoscaled" if any(v.autoscale for v in phases.values()) else ""
     return f"kvlab: {' vs '.join(phases)}{ramp}"
 
 
-def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any], run_dir: Path | None = None) -> str:
-    """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ...;
+def render(phases: Mapping[str, PhaseResult], meta: dict[str, Any], run_dir: Path | None = None) -> str:
+    """phases: {name: its result} in run order; meta: run id, workload, ...;
     run_dir: the run's files (traces, summary.json) for the mechanism section, if any."""
-    summaries = {p: v["summary"] for p, v in phases.items()}
-    records = {p: v["records"] for p, v in phases.items()}
+    summaries = {p: v.summary for p, v in phases.items()}
+    records = {p: v.records for p, v in phases.items()}
     figs = [figures.ttft_cdf(records), figures.hit_rates(summaries), figures.throughput(records),
             figures.requests_per_replica(records)]
     divs = [pio.to_html(f, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG) for f in figs]
@@ -111,7 +112,7 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any], run_dir: Pat
 """
 
 
-def write_report(path: str | Path, phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Path:
+def write_report(path: str | Path, phases: Mapping[str, PhaseResult], meta: dict[str, Any]) -> Path:
     """Write the report to `path` and return it."""
     out = Path(path)
     out.write_text(render(phases, meta, out.parent), encoding="utf-8")

@@ -45,16 +45,11 @@ def comparison(summaries: Mapping[str, Summary]) -> dict[str, float | None]:
     }
 
 
-def report_phases(results: list[PhaseResult]) -> dict[str, dict[str, Any]]:
-    """{phase name: {"summary", "records"}} in run order: what kvlab.report takes."""
-    return {r.phase.name: {"summary": r.summary, "records": r.records} for r in results}
-
-
 def finish(console: Console, run_dir: Path, results: list[PhaseResult], document: dict[str, Any],
            meta: dict[str, Any], traces: str) -> None:
     """runs/<id>/summary.json (`document` + phases + comparison) and report.html; prints the table."""
-    phases = report_phases(results)
-    summaries = {p: v["summary"] for p, v in phases.items()}
+    phases = {r.phase.name: r for r in results}
+    summaries = {p: v.summary for p, v in phases.items()}
     write_json(run_dir / "summary.json", {**document, "phases": msgspec.to_builtins(summaries),
                                           "comparison": comparison(summaries)})
     report = write_report(run_dir / "report.html", phases, meta)
