@@ -193,9 +193,18 @@ def test_status_prints_real_objects_even_half_filled(monkeypatch, capsys):
     """`kvlab cluster status` reads the client's objects, whose fields are all optional: a pod not
     yet scheduled has no IP or node, a deployment just created no status."""
     from kubernetes import client
-    from kubernetes.client import (V1Container, V1Deployment, V1DeploymentSpec, V1DeploymentStatus,
-                                   V1ObjectMeta, V1Pod, V1PodSpec, V1PodStatus, V1PodTemplateSpec,
-                                   V1Service)
+    from kubernetes.client import (
+        V1Container,
+        V1Deployment,
+        V1DeploymentSpec,
+        V1DeploymentStatus,
+        V1ObjectMeta,
+        V1Pod,
+        V1PodSpec,
+        V1PodStatus,
+        V1PodTemplateSpec,
+        V1Service,
+    )
 
     def items(*objs):
         return type("List", (), {"items": list(objs)})()
