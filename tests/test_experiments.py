@@ -90,3 +90,13 @@ def test_the_measures_the_checkpoints_use():
                                                        {"group": "g0", "replica": "c", "error": "timeout"},
                                                        {"group": "g1", "replica": "c"}]
     assert ex.group_replicas(records, "g0") == {"a": 0.75, "b": 0.25}
+
+
+def test_the_warm_hit_rate_leaves_out_each_groups_first_visit_to_a_replica():
+    records = [{"ts": 3, "group": "g0", "replica": "a", "prompt_tokens": 100, "cached_tokens": 90},
+               {"ts": 1, "group": "g0", "replica": "a", "prompt_tokens": 100, "cached_tokens": 0},   # first: left out
+               {"ts": 2, "group": "g0", "replica": "b", "prompt_tokens": 100, "cached_tokens": 0},   # first on b
+               {"ts": 4, "group": "g0", "replica": "b", "prompt_tokens": 100, "cached_tokens": 10},
+               {"ts": 5, "group": "g1", "replica": "a", "prompt_tokens": 100, "error": "timeout"}]
+    assert ex.warm_delivered(records) == pytest.approx(0.5)
+    assert ex.warm_delivered(records[1:3]) == 0.0     # only first visits: nothing to measure

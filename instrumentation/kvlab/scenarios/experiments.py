@@ -52,6 +52,23 @@ def delivered(summary: dict[str, Any]) -> float:
     return float(summary["hit_rate"]["delivered"] or 0.0)
 
 
+def warm_delivered(records: list[dict[str, Any]]) -> float:
+    """The delivered hit rate without the compulsory misses: over the requests that are not the
+    first of their group on their replica (a first visit finds nothing under any cache size), so a
+    short phase measures what the cache size decides, not how many groups it had time to warm."""
+    seen: set[tuple[str, str]] = set()
+    cached = prompt = 0
+    for r in sorted(records, key=lambda r: r["ts"]):
+        if r.get("error") or not r.get("prompt_tokens"):
+            continue
+        pair = (r.get("group") or "", r.get("replica") or "")
+        if pair in seen:
+            cached += r.get("cached_tokens") or 0
+            prompt += r["prompt_tokens"]
+        seen.add(pair)
+    return cached / prompt if prompt else 0.0
+
+
 def undelivered(summary: dict[str, Any]) -> float:
     """predicted − delivered: the share of prompt tokens the gateway routed for as cached that the
     replica had to recompute (evicted, or never there)."""
