@@ -38,6 +38,7 @@
 TARGET = "local"             # local only: the experiments size the simulator's caches
 USERS = 8
 DURATION_S = 10.0            # per phase
+MIN_REQUESTS = 40            # a phase also runs until this many completed (a busy machine starts Locust slowly)
 SEED = 0
 CACHE_BLOCKS = [160, 320, 640]   # the sweep: ~2, ~4 and all 8 of the cache-sweep groups per replica
 HOT_USERS = 12               # section 3: ~10 users on the hot group's holder, which has 4 running slots
@@ -65,7 +66,7 @@ def experiment(name, users=USERS, duration_s=DURATION_S, **sim):
     stack = nb.ensure_stack(TARGET, str(topology))
     workload = ex.topology(name).workload
     return {p: nb.run_phase(stack, p, workload=workload.name, params=workload.params, users=users,
-                            duration_s=duration_s, seed=SEED) for p in ex.EXPERIMENTS[name]}
+                            duration_s=duration_s, seed=SEED, min_requests=MIN_REQUESTS) for p in ex.EXPERIMENTS[name]}
 
 
 def show(title, phases, *columns):
