@@ -25,14 +25,15 @@
 #    scorers spread it.
 # 4. **Eviction**: a cache smaller than even kv-aware's working set; compare what each index
 #    predicted with what the replicas delivered (predicted − delivered).
-# 5. **Users ladder**: 2 → 16 users; where the cache-blind router's TTFT climbs away.
+# 5. **Users ladder**: 2 → 16 users; the cache-blind router stops scaling, kv-aware keeps going.
 #
 # Each experiment is a topology in `labs/topologies/` that `kvlab lab --topology T --quick` runs on
 # its own (docs/experiments.md); here each gets a fresh stack and short phases. The checkpoints
 # assert the direction of each effect with counts that a busy machine does not turn around (hit
-# rates, predicted − delivered, requests per replica); only the ladder reads TTFT, with a wide margin.
+# rates, predicted − delivered, requests per replica); only the ladder reads a rate (requests per
+# second), with a wide margin.
 #
-# Time: about 7 minutes (7 stacks; 12 phases of 10 s, 4 of 20 s).
+# Time: about 7–8 minutes (7 stacks; 12 phases of 10 s, 4 of 20 s).
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the experiments size the simulator's caches
