@@ -39,7 +39,7 @@
 TARGET = "local"             # local only: the experiments size the simulator's caches
 USERS = 8
 DURATION_S = 10.0            # per phase
-MIN_REQUESTS = 40            # a phase also runs until this many completed (a busy machine starts Locust slowly)
+MIN_REQUESTS = 80            # a phase also runs until this many completed (a busy machine starts Locust slowly)
 SEED = 0
 CACHE_BLOCKS = [160, 320, 640]   # the sweep: ~2, ~4 and all 8 of the cache-sweep groups per replica
 HOT_USERS = 12               # section 3: ~10 users on the hot group's holder, which has 4 running slots
@@ -60,14 +60,14 @@ runs = nb.setup()
 console = Console(width=110)
 
 
-def experiment(name, users=USERS, duration_s=DURATION_S, **sim):
+def experiment(name, users=USERS, duration_s=DURATION_S, min_requests=MIN_REQUESTS, **sim):
     """Start the stack of topology `name` (with these `sim:` settings changed: a sweep point), run
     one phase per policy it compares (ex.EXPERIMENTS) on its own workload; {policy: phase}."""
     topology = ex.variant(name, runs / "experiments", **sim) if sim else name
     stack = nb.ensure_stack(TARGET, str(topology))
     workload = ex.topology(name).workload
     return {p: nb.run_phase(stack, p, workload=workload.name, params=workload.params, users=users,
-                            duration_s=duration_s, seed=SEED, min_requests=MIN_REQUESTS) for p in ex.EXPERIMENTS[name]}
+                            duration_s=duration_s, seed=SEED, min_requests=min_requests) for p in ex.EXPERIMENTS[name]}
 
 
 def show(title, phases, *columns):
@@ -171,7 +171,7 @@ print(f"kv-aware without eviction ({CACHE_BLOCKS[-1]} blocks): predicted − del
 # keeps scaling.
 
 # %%
-ladder = {u: experiment("users-ladder", users=u, duration_s=LADDER_S) for u in LADDER}
+ladder = {u: experiment("users-ladder", users=u, duration_s=LADDER_S, min_requests=0) for u in LADDER}   # rates: fixed length
 fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT p50 (ms)", "requests per second"))
 for i, policy in enumerate(ex.EXPERIMENTS["users-ladder"]):
     fig.add_trace(go.Scatter(x=LADDER, y=[ladder[u][policy]["summary"]["ttft_ms"]["p50"] for u in LADDER],
