@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +83,18 @@ def slow_part(records: list[Record], elapsed_s: float) -> str:
             f"rest of a reply p50 {decode / 1000:.1f} s")
 
 
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """Stop Locust early the way that still writes its reports: SIGINT (on SIGTERM it exits
+    without the HTML report), then `terminate` if it has not finished within `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    terminate(proc)
+
+
 def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str = "", policy: str = "",
               otlp_endpoint: str | None = None, progress: Progress | None = None) -> Summary:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
@@ -120,7 +133,7 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
                     break
                 time.sleep(0.25)
         finally:
-            terminate(proc)
+            stop(proc)
     records = tail.poll()
     if progress:
         progress(time.monotonic() - start, records)
