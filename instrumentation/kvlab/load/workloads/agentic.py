@@ -36,6 +36,7 @@ class AgenticParams(Params, frozen=True):
     output_tokens: int = 32
     tools_message: bool = False    # the tool block as its own system message, not appended to the prompt
     hint_branches: bool = False    # branch requests carry the hint `branch`
+    tool_seconds: float = 0.0      # the tool call before each later step: the session's KV sits idle meanwhile
 
 
 class Agentic(Workload[AgenticParams]):
@@ -61,11 +62,12 @@ class Agentic(Workload[AgenticParams]):
                     {"role": "user", "content": "Observation: " + text(rng, p.observation_tokens) + "."}]
 
         for k in range(p.steps):
-            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out)))
+            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out),
+                                       pause_s=p.tool_seconds if k else 0.0))
             if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: the next step goes without it
                 out.append(WorkloadRequest(messages=[*messages, *step()], max_tokens=p.output_tokens,
                                    group=f"agent{agent}", turn=len(out),
-                                   hint="branch" if p.hint_branches else None))
+                                   hint="branch" if p.hint_branches else None, pause_s=p.tool_seconds))
             messages = [*messages, *step()]
         return out
 
