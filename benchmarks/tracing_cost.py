@@ -1,6 +1,6 @@
 """What tracing costs the gateway at saturation: every tracing setup side by side, in one run.
 
-    .venv/bin/python benchmarks/tracing_cost.py [--seconds 8] [--concurrency 32] [--baseline REV]
+    .venv/bin/python benchmarks/tracing_cost.py [--seconds 8] [--concurrency 32] [--soak 60] [--baseline REV]
 
 Stack: `kvlab engine sim` replicas at a tiny time scale (the engine answers in microseconds of
 modelled time, so the gateway is the bottleneck), one `kvlab gateway` (kv-aware), an OTLP/HTTP
@@ -9,16 +9,21 @@ process as the load: a closed loop of `--concurrency` clients for `--seconds` pe
 request a client root span's W3C `traceparent` (sampled or not, as a Locust user of `kvlab load`
 sends it). Each setup restarts only the gateway with other settings; the replicas never trace.
 
-Setups: tracing off; the baseline tree (`--baseline`, default: the commit before issue 21's
-tracing work, exported with `git archive` into a temporary directory) at 100 % sampling exporting
-OTLP/HTTP in-process; the current tree at 100 % sampling with spans made but not exported, with the
-SDK's in-process batch export, and with export in a child process (its default,
-kvlab.telemetry.relay); and the current tree with a 10 % parent-based sample decided by the
-client. Columns: req/s at saturation and its cost; the gateway process's own CPU per request over
-the same window and the cost that implies on a core of its own (1 - off/setup: the steadier figure
-on a shared machine); the export child's CPU per request; the gateway's added latency (via
-gateway - direct to the replica, sequential pairs at low load) p50/p99, so it excludes queueing.
-docs/benchmarks.md, "Tracing cost", has a run.
+Setups, all at 100 % sampling unless said: tracing off with the interpreter's GC settings
+(`KVLAB_GC_GEN0=0`) and with the settled GC every server now gets (`kvlab.lifecycle.settle_gc`);
+the baseline tree (`--baseline`, default: the commit before issue 21's tracing work, exported with
+`git archive` into a temporary directory) with the SDK's spans exported in-process; the SDK's spans
+exported by the child process (kvlab.telemetry.relay, `KVLAB_TRACES_EXPORT_PROCESS=sdk`) with
+either GC; kvlab's span recorder (kvlab.telemetry.recorder) without export and with the child's
+export (the default); and the default with a 10 % parent-based sample decided by the client. Each
+cost is relative to the "tracing off" row with the same GC settings. Columns: req/s at saturation
+and its cost; the gateway process's own CPU per request over the same window and the cost that
+implies on a core of its own (1 - off/setup: the steadier figure on a shared machine), from the
+least CPU of the rounds and, in brackets, from their medians; the export
+child's CPU per request; the gateway's RSS after the window and its growth during it; the
+gateway's added latency (via gateway - direct to the replica, sequential pairs at low load)
+p50/p99, so it excludes queueing. `--soak S` then samples the RSS through S seconds of saturation
+per GC setting. docs/benchmarks.md, "Tracing cost", has a run.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -43,7 +49,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvlab.lifecycle import terminate, wait_http
+from kvlab.lifecycle import GC_GEN0_ENV, terminate, wait_http
 from kvlab.stack.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +65,8 @@ class Setup:
     env: dict[str, str]
     tree: str = "current"          # current | baseline
     sample_ratio: float = 1.0      # the client's sampling decision (sampled flag of its traceparent)
+    reference: int | None = None   # the "tracing off" setup its costs are relative to
+    cpus: list[float] = field(default_factory=list)   # gateway CPU µs/request of each round
     result: dict[str, float] = field(default_factory=dict)
 
 
@@ -167,32 +175,38 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="closed-loop clients at saturation")
     ap.add_argument("--latency-requests", type=int, default=400, help="sequential pairs for the overhead")
     ap.add_argument("--rounds", type=int, default=2, help="setups are measured this many times, interleaved")
+    ap.add_argument("--soak", type=float, default=0.0,
+                    help="then this many seconds of saturation per GC setting, RSS sampled (0: skip)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the 'before' gateway")
     ap.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.receiver:
         receiver_main(args.receiver)
         return 0
-    console = Console(width=200)
+    console = Console(width=250)
     work = Path(tempfile.mkdtemp(prefix="kvlab-tracing-cost-"))
     base_path = baseline_tree(args.baseline, work)
     rx_port = free_port()
     otlp = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{rx_port}/v1/traces",
             "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    untraced = {"OTEL_TRACES_EXPORTER": "none", "OTEL_TRACES_SAMPLER": "always_off"}
+    interp_gc = {GC_GEN0_ENV: "0"}
+    sdk_relay = {**otlp, "KVLAB_TRACES_EXPORT_PROCESS": "sdk"}
     setups = [
-        Setup("tracing off", {"OTEL_TRACES_EXPORTER": "none", "OTEL_TRACES_SAMPLER": "always_off"}),
-        Setup(f"before ({args.baseline}): 100 %, SDK batch export in-process", otlp, tree="baseline"),
-        Setup("after: 100 %, spans made, not exported", {"OTEL_TRACES_EXPORTER": "none",
-                                                         "OTEL_TRACES_SAMPLER": "always_on"}),
-        Setup("after: 100 %, SDK batch export in-process", {**otlp, "KVLAB_TRACES_EXPORT_PROCESS": "0"}),
-        Setup("after: 100 %, export in a child process (default)", otlp),
-        Setup("after: client samples 10 %, parent-based", otlp, sample_ratio=0.1),
+        Setup("tracing off, interpreter GC", {**untraced, **interp_gc}),
+        Setup(f"before ({args.baseline}): SDK spans, in-process export", otlp, tree="baseline", reference=0),
+        Setup("SDK spans, child-process export (issue 21b)", {**sdk_relay, **interp_gc}, reference=0),
+        Setup("tracing off, settled GC", untraced),
+        Setup("SDK spans, child-process export, settled GC", sdk_relay, reference=3),
+        Setup("recorder, not exported, settled GC", {"OTEL_TRACES_EXPORTER": "none",
+                                                     "OTEL_TRACES_SAMPLER": "always_on"}, reference=3),
+        Setup("recorder, child-process export, settled GC (default)", otlp, reference=3),
+        Setup("default, the client samples 10 %, parent-based", otlp, sample_ratio=0.1, reference=3),
     ]
     ready = work / "sim-ready.json"
     sim_cmd = [PY, "-m", "kvlab.cli", "engine", "sim", "--replicas", "2", "--time-scale", "0.0001",
                "--no-kv-events", "--ready-file", str(ready), "--log-level", "WARNING"]
     rx_url = f"http://127.0.0.1:{rx_port}"
-    untraced = {"OTEL_TRACES_EXPORTER": "none", "OTEL_TRACES_SAMPLER": "always_off"}
     with started([PY, __file__, "--receiver", str(rx_port)], {}, rx_url + "/"), \
             subprocess.Popen(sim_cmd, env={**os.environ, **untraced}, stdout=subprocess.DEVNULL) as sim:
         try:
@@ -211,22 +225,58 @@ def main() -> int:
                         progress.update(task, description=setup.label)
                         measure(setup, endpoints, direct, base_path, args)
                         progress.advance(task)
+            soaked = soak([setups[0], setups[3], setups[6]], endpoints, args) if args.soak else None
             console.print(f"load average after: {os.getloadavg()[0]:.2f}")
         finally:
             terminate(sim)
     table = Table(title=f"gateway tracing cost at saturation ({args.concurrency} clients, "
                         f"{args.seconds:g} s x {args.rounds} rounds, best round)")
-    for col in ("setup", "req/s", "cost", "gateway CPU µs/req", "CPU cost", "export child µs/req",
-                "overhead p50 ms", "overhead p99 ms"):
+    for col in ("setup", "req/s", "cost", "gateway CPU µs/req min (median)", "CPU cost min (median)", "export child µs/req",
+                "RSS MiB (growth)", "overhead p50 ms", "overhead p99 ms"):
         table.add_column(col, justify="left" if col == "setup" else "right")
-    off = setups[0].result
     for s in setups:
         r = s.result
-        table.add_row(s.label, f"{r['rps']:,.0f}", f"{100 * (1 - r['rps'] / off['rps']):.1f} %",
-                      f"{r['cpu']:.0f}", f"{100 * (1 - off['cpu'] / r['cpu']):.1f} %", f"{r['child']:.0f}",
-                      f"{r['p50']:.3f}", f"{r['p99']:.3f}")
+        off = setups[s.reference].result if s.reference is not None else r
+        cost = f"{100 * (1 - r['rps'] / off['rps']):.1f} %" if s.reference is not None else "—"
+        med, off_med = statistics.median(s.cpus), statistics.median(setups[s.reference or 0].cpus)
+        cpu_cost = (f"{100 * (1 - off['cpu'] / r['cpu']):.1f} % ({100 * (1 - off_med / med):.1f} %)"
+                    if s.reference is not None else "—")
+        table.add_row(s.label, f"{r['rps']:,.0f}", cost, f"{r['cpu']:.0f} ({med:.0f})", cpu_cost, f"{r['child']:.0f}",
+                      f"{r['rss']:.0f} ({r['rss_growth']:+.1f})", f"{r['p50']:.3f}", f"{r['p99']:.3f}")
     console.print(table)
+    if soaked is not None:
+        console.print(soaked)
     return 0
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def soak(setups: list[Setup], endpoints: str, args: argparse.Namespace) -> Table:
+    """The gateway's RSS through a longer saturation run: settled GC must not let memory grow."""
+    table = Table(title=f"gateway RSS MiB at saturation, every {args.soak / 6:g} s of {args.soak:g} s")
+    table.add_column("setup")
+    table.add_column("RSS MiB", justify="right")
+    for setup in setups:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with started(gateway_cmd(port, endpoints), {**setup.env, "PYTHONPATH": str(ROOT / "instrumentation")},
+                     url + "/metrics") as gw:
+            samples = [rss_mib(gw.pid)]
+            for _ in range(6):
+                asyncio.run(throughput(url, args.soak / 6, args.concurrency, setup.sample_ratio))
+                samples.append(rss_mib(gw.pid))
+        table.add_row(setup.label, " → ".join(f"{x:.0f}" for x in samples))
+    return table
+
+
+def gateway_cmd(port: int, endpoints: str) -> list[str]:
+    return [PY, "-m", "kvlab.cli", "gateway", "--port", str(port), "--endpoints", endpoints,
+            "--policy", "kv-aware", "--log-level", "WARNING"]
 
 
 def measure(setup: Setup, endpoints: str, direct: str, base_path: Path, args: argparse.Namespace) -> None:
@@ -234,21 +284,21 @@ def measure(setup: Setup, endpoints: str, direct: str, base_path: Path, args: ar
     url = f"http://127.0.0.1:{port}"
     path = base_path if setup.tree == "baseline" else ROOT / "instrumentation"
     env = {**setup.env, "PYTHONPATH": str(path)}
-    cmd = [PY, "-m", "kvlab.cli", "gateway", "--port", str(port), "--endpoints", endpoints,
-           "--policy", "kv-aware", "--log-level", "WARNING"]
-    with started(cmd, env, url + "/metrics") as gw:
+    with started(gateway_cmd(port, endpoints), env, url + "/metrics") as gw:
         asyncio.run(throughput(url, 1.0, args.concurrency, setup.sample_ratio))   # warm-up
-        own0, all0 = cpu_seconds_own(gw.pid), cpu_seconds(gw.pid)
+        own0, all0, rss0 = cpu_seconds_own(gw.pid), cpu_seconds(gw.pid), rss_mib(gw.pid)
         rps = asyncio.run(throughput(url, args.seconds, args.concurrency, setup.sample_ratio))
         n = rps * args.seconds
         own_us = (cpu_seconds_own(gw.pid) - own0) / n * 1e6
         child_us = (cpu_seconds(gw.pid) - all0) / n * 1e6 - own_us
+        rss1 = rss_mib(gw.pid)
+        setup.cpus.append(own_us)
         lat = asyncio.run(added_latency(direct, url, args.latency_requests, setup.sample_ratio))
     best = setup.result.get("rps", 0.0)
     if rps > best:   # best of the rounds: a co-tenant's burst only ever slows a round down
         setup.result = {**setup.result, "rps": rps, "p50": pct(lat, 50), "p99": pct(lat, 99)}
     if own_us < setup.result.get("cpu", float("inf")):   # least CPU per request of the rounds
-        setup.result.update(cpu=own_us, child=child_us)
+        setup.result.update(cpu=own_us, child=child_us, rss=rss1, rss_growth=rss1 - rss0)
 
 
 if __name__ == "__main__":

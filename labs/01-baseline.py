@@ -66,9 +66,9 @@ print(workload.describe())
 
 # %%
 base = nb.run_phase(stack, "round-robin", workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED)
-s = base["summary"]
-print(f"{s['ok']} requests ok, {s['errors']} errors, {s['rps']:.1f} req/s, "
-      f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, p95 {s['ttft_ms']['p95']:.0f} ms")
+s = base.summary
+print(f"{s.ok} requests ok, {s.errors} errors, {s.rps:.1f} req/s, "
+      f"TTFT p50 {s.ttft_ms.p50:.0f} ms, p95 {s.ttft_ms.p95:.0f} ms")
 
 # %% [markdown]
 # ## 3. Per-replica load
@@ -77,9 +77,9 @@ print(f"{s['ok']} requests ok, {s['errors']} errors, {s['rps']:.1f} req/s, "
 # shows how busy each one was.
 
 # %%
-figures.requests_per_replica({"round-robin": base["records"]}).show()
+figures.requests_per_replica({"round-robin": base.records}).show()
 
-samples = base["samples"]
+samples = base.samples
 fig = go.Figure()
 for name in sorted({x["replica"] for x in samples}):
     pts = [x for x in samples if x["replica"] == name]
@@ -98,7 +98,7 @@ fig.show()
 # need next.
 
 # %%
-engines = base["engines"]
+engines = base.engines
 names = sorted(engines)
 engine_hit = {k: (v["hits"] / v["queries"] if v["queries"] else 0.0) for k, v in engines.items()}
 fig = go.Figure(go.Bar(x=names, y=[engine_hit[k] for k in names], marker_color="#d62728",
@@ -114,8 +114,8 @@ fig.show()
 # the hits on the left, the misses on the right.
 
 # %%
-figures.ttft_cdf({"round-robin": base["records"]}).show()
-figures.ttft_by_replica_over_time({"round-robin": base["records"]}).show()
+figures.ttft_cdf({"round-robin": base.records}).show()
+figures.ttft_by_replica_over_time({"round-robin": base.records}).show()
 
 # %% [markdown]
 # ## 6. Available, but not used
@@ -126,28 +126,28 @@ figures.ttft_by_replica_over_time({"round-robin": base["records"]}).show()
 
 # %%
 figures.hit_rates({"round-robin": s}).show()
-ok = [r for r in base["records"] if not r.get("error")]
-lost = sum((r.get("available_tokens") or 0) - (r.get("predicted_tokens") or 0) for r in ok)
-prompt = sum(r["prompt_tokens"] for r in ok)
-hr = s["hit_rate"]
-if hr["available"] is not None:
-    print(f"available {hr['available']:.0%} · predicted {hr['predicted']:.0%} · delivered {hr['delivered']:.0%}")
+ok = [r for r in base.records if not r.error]
+lost = sum((r.available_tokens or 0) - (r.predicted_tokens or 0) for r in ok)
+prompt = sum(r.prompt_tokens for r in ok)
+hr = s.hit_rate
+if hr.available is not None:
+    print(f"available {hr.available:.0%} · predicted {hr.predicted:.0%} · delivered {hr.delivered:.0%}")
     print(f"{lost:,} of {prompt:,} prompt tokens ({lost / prompt:.0%}) were cached on another replica and recomputed")
 
 # %% [markdown]
 # ## Checkpoints
 
 # %%
-assert s["ok"] >= 20 and s["errors"] == 0, f"the load test should complete cleanly: {s['ok']} ok, {s['errors']} errors"
-counts = list(s["replicas"].values())
+assert s.ok >= 20 and s.errors == 0, f"the load test should complete cleanly: {s.ok} ok, {s.errors} errors"
+counts = list(s.replicas.values())
 assert len(counts) == len(stack["replicas"]) or TARGET != "local", "every replica should have served requests"
-assert max(counts) <= 1.5 * min(counts) + 2, f"round-robin should spread evenly: {s['replicas']}"
+assert max(counts) <= 1.5 * min(counts) + 2, f"round-robin should spread evenly: {s.replicas}"
 if TARGET == "local":
-    assert hr["available"] - hr["predicted"] >= 0.15, "a cache-blind router should leave cache on the table"
-    assert hr["delivered"] < 0.7, "with 32 groups on 4 small caches most prompt tokens should be recomputed"
+    assert hr.available - hr.predicted >= 0.15, "a cache-blind router should leave cache on the table"
+    assert hr.delivered < 0.7, "with 32 groups on 4 small caches most prompt tokens should be recomputed"
     assert np.mean(list(engine_hit.values())) < 0.7, "engine hit rates should be low under round-robin"
-print(f"✓ baseline recorded in {base['dir']}: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
-      f"delivered hit rate {hr['delivered'] if hr['delivered'] is None else format(hr['delivered'], '.0%')}")
+print(f"✓ baseline recorded in {base.dir}: TTFT p50 {s.ttft_ms.p50:.0f} ms, "
+      f"delivered hit rate {hr.delivered if hr.delivered is None else format(hr.delivered, '.0%')}")
 
 # %% [markdown]
 # ## Troubleshooting

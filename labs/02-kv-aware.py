@@ -55,7 +55,7 @@ settings = dict(workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED
 
 # %%
 base = nb.phase(stack, "round-robin", **settings)
-print(f"baseline: {base['summary']['ok']} requests, TTFT p50 {base['summary']['ttft_ms']['p50']:.0f} ms")
+print(f"baseline: {base.summary.ok} requests, TTFT p50 {base.summary.ttft_ms.p50:.0f} ms")
 
 # %% [markdown]
 # ## 2. Swap in the KV-aware gateway
@@ -68,8 +68,8 @@ print(f"baseline: {base['summary']['ok']} requests, TTFT p50 {base['summary']['t
 # %%
 after = nb.run_phase(stack, "kv-aware", **settings)
 phases = {"round-robin": base, "kv-aware": after}
-summaries = {p: v["summary"] for p, v in phases.items()}
-records = {p: v["records"] for p, v in phases.items()}
+summaries = {p: v.summary for p, v in phases.items()}
+records = {p: v.records for p, v in phases.items()}
 Console(width=100).print(summary_table(summaries, title="before → after"))
 print(headline(summaries))
 
@@ -94,8 +94,8 @@ figures.throughput(records).show()
 def replicas_per_group(recs):
     seen = defaultdict(set)
     for r in recs:
-        if not r.get("error") and r.get("group") is not None:
-            seen[r["group"]].add(r["replica"])
+        if not r.error and r.group is not None:
+            seen[r.group].add(r.replica)
     return {g: len(v) for g, v in seen.items()}
 
 
@@ -107,7 +107,7 @@ fig.update_layout(barmode="group", title="How many replicas served each prefix g
 fig.show()
 figures.requests_per_replica(records).show()
 
-engine_hit = {p: {k: (v["hits"] / v["queries"] if v["queries"] else 0.0) for k, v in ph["engines"].items()}
+engine_hit = {p: {k: (v["hits"] / v["queries"] if v["queries"] else 0.0) for k, v in ph.engines.items()}
               for p, ph in phases.items()}
 fig = go.Figure([go.Bar(name=p, x=sorted(h), y=[h[k] for k in sorted(h)], marker_color=figures.COLORS[i])
                  for i, (p, h) in enumerate(engine_hit.items())])
@@ -130,15 +130,16 @@ figures.ttft_by_replica_over_time(records).show()
 # %%
 from pathlib import Path
 
+import msgspec
+
 from kvlab.stack.state import write_json
 
 run_dir = Path(stack["run_dir"])
 ratios = comparison(summaries)
 write_json(run_dir / "summary.json", {"id": run_dir.name, "run_dir": str(run_dir), "policies": list(phases),
                                        "workload": WORKLOAD, "users": USERS, "duration_s": DURATION_S, "seed": SEED,
-                                       "phases": summaries, "comparison": ratios})
-report = write_report(run_dir / "report.html", {p: {"summary": v["summary"], "records": v["records"]}
-                                                for p, v in phases.items()},
+                                       "phases": msgspec.to_builtins(summaries), "comparison": ratios})
+report = write_report(run_dir / "report.html", phases,
                       {"run": run_dir.name, "workload": WORKLOAD, "seed": SEED, "users": USERS,
                        "seconds per phase": DURATION_S})
 print(ratios)
@@ -175,14 +176,14 @@ for label, d in mechanism.examples(decisions).items():
 
 # %%
 b, a = summaries["round-robin"], summaries["kv-aware"]
-assert a["errors"] == 0 and a["ok"] >= 20, f"the kv-aware phase should complete cleanly ({a['ok']} ok, {a['errors']} errors)"
-assert a["ttft_ms"]["p50"] < b["ttft_ms"]["p50"], "kv-aware TTFT p50 should be below the baseline's"
+assert a.errors == 0 and a.ok >= 20, f"the kv-aware phase should complete cleanly ({a.ok} ok, {a.errors} errors)"
+assert a.ttft_ms.p50 < b.ttft_ms.p50, "kv-aware TTFT p50 should be below the baseline's"
 assert ratios["ttft_p50_speedup"] >= 2, f"expected at least 2× lower TTFT p50, got {ratios['ttft_p50_speedup']}×"
-assert a["rps"] > b["rps"], "fewer recomputed tokens should mean more requests per second"
+assert a.rps > b.rps, "fewer recomputed tokens should mean more requests per second"
 if TARGET == "local":
-    ha, hb = a["hit_rate"], b["hit_rate"]
-    assert ha["delivered"] >= hb["delivered"] + 0.2, "the engines should reuse far more cache"
-    assert ha["available"] - ha["predicted"] <= 0.1, "kv-aware should capture nearly all the available cache"
+    ha, hb = a.hit_rate, b.hit_rate
+    assert ha.delivered >= hb.delivered + 0.2, "the engines should reuse far more cache"
+    assert ha.available - ha.predicted <= 0.1, "kv-aware should capture nearly all the available cache"
     mean = {p: sum(v.values()) / len(v) for p, v in spread.items()}
     assert mean["kv-aware"] < mean["round-robin"], f"groups should stay on fewer replicas: {mean}"
     assert len(pictures) == 3, "the chain, residency and funnel pictures need the run's summary.json and traces"

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -127,8 +129,8 @@ settings = dict(workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED
 unified = nb.run_phase(stack, "kv-aware-unified", **settings)
 split = nb.run_phase(stack, "kv-aware", **settings)
 phases = {"kv-aware-unified": unified, "kv-aware (P/D)": split}
-records = {p: v["records"] for p, v in phases.items()}
-console.print(summary_table({p: v["summary"] for p, v in phases.items()}, title="unified → P/D"))
+records = {p: v.records for p, v in phases.items()}
+console.print(summary_table({p: v.summary for p, v in phases.items()}, title="unified → P/D"))
 
 # %% [markdown]
 # Latency by prompt kind and decision: long fresh prompts (`group == "long"`) are the ones P/D
@@ -138,22 +140,22 @@ console.print(summary_table({p: v["summary"] for p, v in phases.items()}, title=
 rows = defaultdict(list)
 for phase, recs in records.items():
     for r in recs:
-        if r.get("error") or r.get("ttft_ms") is None:
+        if r.error or r.ttft_ms is None:
             continue
-        kind = "long uncached" if r.get("group") == "long" else "shared prefix"
-        rows[(phase, kind, r.get("pd") or "off")].append(r)
+        kind = "long uncached" if r.group == "long" else "shared prefix"
+        rows[(phase, kind, r.pd or "off")].append(r)
 print(f"{'phase':<18} {'prompts':<14} {'P/D':<9} {'n':>4} {'TTFT p50':>9} {'TTFT p95':>9} {'worst gap p95':>14}")
 for (phase, kind, decision), rs in sorted(rows.items()):
-    ttft = [r["ttft_ms"] for r in rs]
-    gap = [r["itl_max_ms"] for r in rs if r.get("itl_max_ms") is not None]
+    ttft = [r.ttft_ms for r in rs]
+    gap = [r.itl_max_ms for r in rs if r.itl_max_ms is not None]
     print(f"{phase:<18} {kind:<14} {decision:<9} {len(rs):>4} {np.percentile(ttft, 50):>9.0f} "
           f"{np.percentile(ttft, 95):>9.0f} {np.percentile(gap, 95) if gap else float('nan'):>14.0f}")
 
 fig = go.Figure()
 for i, (phase, recs) in enumerate(records.items()):
     for kind in ("long uncached", "shared prefix"):
-        ys = [r["ttft_ms"] for r in recs if not r.get("error") and r.get("ttft_ms") is not None
-              and (r.get("group") == "long") == (kind == "long uncached")]
+        ys = [r.ttft_ms for r in recs if not r.error and r.ttft_ms is not None
+              and (r.group == "long") == (kind == "long uncached")]
         fig.add_trace(go.Box(y=ys, x=[kind] * len(ys), name=phase, marker_color=figures.COLORS[i],
                              boxpoints=False, legendgroup=phase, showlegend=kind == "long uncached"))
 fig.update_layout(boxmode="group", title="TTFT by prompt kind: unified vs P/D", yaxis_type="log",
@@ -206,13 +208,13 @@ assert decisions["long, again"]["decision"] == "unified" and decisions["long, ag
 roles = {s.attr(n.PD_ROLE) for s in split_trace.find(n.SPAN_ENGINE_REQUEST)}
 assert {"prefill", "decode"} <= roles, f"one trace should hold both sides of the split: {roles}"
 assert int(transfer.attr(n.KV_TRANSFER_TOKENS) or 0) > 0, "the decode replica should have pulled KV"
-longs = [r for r in records["kv-aware (P/D)"] if r.get("group") == "long" and not r.get("error")]
-shared = [r for r in records["kv-aware (P/D)"] if r.get("group") != "long" and not r.get("error")]
-assert longs and sum(r.get("pd") == "split" for r in longs) >= 0.9 * len(longs), "long fresh prompts should be split"
-assert sum(r.get("pd") == "unified" for r in shared) >= 0.6 * len(shared), "cached prompts should mostly stay unified"
+longs = [r for r in records["kv-aware (P/D)"] if r.group == "long" and not r.error]
+shared = [r for r in records["kv-aware (P/D)"] if r.group != "long" and not r.error]
+assert longs and sum(r.pd == "split" for r in longs) >= 0.9 * len(longs), "long fresh prompts should be split"
+assert sum(r.pd == "unified" for r in shared) >= 0.6 * len(shared), "cached prompts should mostly stay unified"
 assert not broken, f"decisions that break the rule split ⇔ uncached ≥ threshold: {broken[:5]}"
-assert all(v["summary"]["errors"] == 0 for v in phases.values()), "both phases should complete cleanly"
-print(f"✓ split {len(longs)} long prompts, kept {sum(r.get('pd') == 'unified' for r in shared)} cached ones unified")
+assert all(v.summary.errors == 0 for v in phases.values()), "both phases should complete cleanly"
+print(f"✓ split {len(longs)} long prompts, kept {sum(r.pd == 'unified' for r in shared)} cached ones unified")
 
 # %% [markdown]
 # ## Troubleshooting

@@ -47,7 +47,7 @@ import plotly.graph_objects as go
 from rich.console import Console
 
 from kvlab import notebook as nb
-from kvlab.load.summary import read_jsonl
+from kvlab.load.measure import read_records
 from kvlab.load.table import summary_table
 from kvlab.report import figures
 from kvlab.report.autoscale import figure as autoscale_figure
@@ -75,8 +75,8 @@ settings = dict(workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED
 blind = nb.run_phase(stack, "rank-blind", **settings)
 aware = nb.run_phase(stack, "dp-aware", **settings)
 phases = {"rank-blind": blind, "dp-aware": aware}
-summaries = {p: v["summary"] for p, v in phases.items()}
-records = {p: v["records"] for p, v in phases.items()}
+summaries = {p: v.summary for p, v in phases.items()}
+records = {p: v.records for p, v in phases.items()}
 console.print(summary_table(summaries, title="rank-blind → dp-aware"))
 
 # %%
@@ -92,7 +92,7 @@ figures.hit_rates(summaries).show()
 fig = go.Figure()
 for i, (p, ph) in enumerate(phases.items()):
     peak = defaultdict(float)
-    for s in ph["samples"]:
+    for s in ph.samples:
         peak[s["replica"]] = max(peak[s["replica"]], s["running"] + s["waiting"])
     names = sorted(peak)
     fig.add_trace(go.Bar(name=p, x=names, y=[peak[k] for k in names], marker_color=figures.COLORS[i]))
@@ -170,7 +170,7 @@ run = nb.run_lab(["--topology", "autoscale", "--duration", str(RAMP_S), "--users
 result = json.loads((run / "summary.json").read_text())["autoscale"]
 phase_dir = next(run.glob("phase-1-*"))
 data = json.loads((phase_dir / "autoscale.json").read_text())
-autoscale_figure(data, read_jsonl(phase_dir / "requests.jsonl")).show()
+autoscale_figure(data, read_records(phase_dir / "requests.jsonl")).show()
 print({k: result[k] for k in ("desired_first", "desired_peak", "desired_last", "scale_ups", "scale_downs", "reasons")})
 print("TTFT by replicas running:", result["ttft_by_running_replicas"])
 
@@ -191,14 +191,14 @@ for s in scale_spans[:12]:
 
 # %%
 b, a = summaries["rank-blind"], summaries["dp-aware"]
-assert a["errors"] == 0 and b["errors"] == 0, "both phases should complete cleanly"
-assert a["hit_rate"]["delivered"] > b["hit_rate"]["delivered"] + 0.15, "DP-aware should reuse far more cache"
-assert a["ttft_ms"]["p50"] < b["ttft_ms"]["p50"], "DP-aware TTFT p50 should be below rank-blind's"
+assert a.errors == 0 and b.errors == 0, "both phases should complete cleanly"
+assert a.hit_rate.delivered > b.hit_rate.delivered + 0.15, "DP-aware should reuse far more cache"
+assert a.ttft_ms.p50 < b.ttft_ms.p50, "DP-aware TTFT p50 should be below rank-blind's"
 assert reasons["dp-aware"]["prefix-on-rank"] > 0, "DP-aware should pick ranks for their prefix"
 assert result["desired_peak"] > result["desired_first"], "the recommendation should rise with the load"
 assert result["scale_ups"] >= 1, "the scaler should have started a replica"
 assert any(s.name == n.SPAN_SCALE_ACTION for s in scale_spans), "scale actions should be traced"
-print(f"✓ DP-aware: TTFT p50 {b['ttft_ms']['p50']:.0f} → {a['ttft_ms']['p50']:.0f} ms; autoscaling "
+print(f"✓ DP-aware: TTFT p50 {b.ttft_ms.p50:.0f} → {a.ttft_ms.p50:.0f} ms; autoscaling "
       f"{result['desired_first']} → {result['desired_peak']} → {result['desired_last']} replicas")
 
 # %% [markdown]

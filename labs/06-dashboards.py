@@ -59,9 +59,9 @@ dashboards = Path(nb.__file__).resolve().parents[2] / "dashboards"     # the rep
 # %%
 report = run_dir / "report.html"
 if not report.exists():
-    write_report(report, {p: {"summary": v["summary"], "records": v["records"]} for p, v in phases.items()},
+    write_report(report, phases,
                  {"run": run_dir.name, "workload": WORKLOAD, "seed": SEED, "users": USERS})
-print(headline({p: v["summary"] for p, v in phases.items()}))
+print(headline({p: v.summary for p, v in phases.items()}))
 display(FileLink(str(report.relative_to(Path.cwd())) if report.is_relative_to(Path.cwd()) else str(report)))
 
 # %% [markdown]
@@ -88,9 +88,9 @@ if stack.get("grafana"):
 print("prometheus:", stack.get("prometheus") or "not running (install the `prometheus` binary to get metrics locally)")
 
 # %%
-records = [r for v in phases.values() for r in v["records"]]
-start = min(r["ts"] for r in records) - 2
-end = max(r["ts"] + (r.get("e2e_ms") or 0) / 1000 for r in records) + 4
+records = [r for v in phases.values() for r in v.records]
+start = min(r.ts for r in records) - 2
+end = max(r.ts + (r.e2e_ms or 0) / 1000 for r in records) + 4
 panels = [("before-after", "TTFT p50 / p95 by policy (gateway)"),
           ("routing", "Available / predicted / delivered hit rate"),
           ("routing", "Decisions by reason"),

@@ -132,7 +132,7 @@ for policy in ("kv-aware-gpu-only", "kv-aware"):
     phases[policy] = nb.run_phase(stack, policy, **settings)
     end = {r["name"]: counters(r["url"]) for r in stack["replicas"]}
     tiers[policy] = {k: sum(end[r][k] - start[r][k] for r in end) for k in ("gpu", "cpu", "queries")}
-summaries = {p: v["summary"] for p, v in phases.items()}
+summaries = {p: v.summary for p, v in phases.items()}
 console.print(summary_table(summaries, title="tier-blind → tier-aware"))
 for p, t in tiers.items():
     print(f"{p:<18} GPU hits {t['gpu'] / t['queries']:.0%}  CPU hits {t['cpu'] / t['queries']:.0%} of prompt tokens")
@@ -147,7 +147,7 @@ fig.update_layout(barmode="group", title="Where prompt tokens came from", yaxis_
 fig.show()
 fig = go.Figure()
 for i, (p, v) in enumerate(phases.items()):
-    ttft = sorted(r["ttft_ms"] for r in v["records"] if not r.get("error") and r.get("ttft_ms") is not None)
+    ttft = sorted(r.ttft_ms for r in v.records if not r.error and r.ttft_ms is not None)
     fig.add_trace(go.Scatter(x=ttft, y=[(k + 1) / len(ttft) for k in range(len(ttft))], name=p,
                              line_color=figures.COLORS[i]))
 fig.update_layout(title="TTFT CDF", xaxis_type="log", xaxis_title="TTFT (ms, log)", yaxis_title="share of requests",
@@ -205,14 +205,14 @@ for s in pull_spans[:3]:
 blind, aware = summaries["kv-aware-gpu-only"], summaries["kv-aware"]
 assert tier_demo["cpu"] > 0 and cached_a > 0, "A should come back from the CPU tier in section 1"
 assert prefill.attr(n.ENGINE_CPU_HIT_TOKENS) > 0, "the engine.prefill span should show the CPU hit"
-assert aware["errors"] == 0 and aware["ok"] >= 20, f"the tier-aware phase should complete cleanly ({aware['ok']} ok)"
+assert aware.errors == 0 and aware.ok >= 20, f"the tier-aware phase should complete cleanly ({aware.ok} ok)"
 share = {p: (t["gpu"] + t["cpu"]) / t["queries"] for p, t in tiers.items()}
 assert share["kv-aware"] > share["kv-aware-gpu-only"], f"tier-aware routing should reuse more KV: {share}"
-assert aware["ttft_ms"]["p50"] < blind["ttft_ms"]["p50"], "tier-aware TTFT p50 should be below tier-blind's"
+assert aware.ttft_ms.p50 < blind.ttft_ms.p50, "tier-aware TTFT p50 should be below tier-blind's"
 assert pull_spans, "kv-aware-pull should have weighed holder / pull / recompute for a busy holder"
 assert all(set(s.json_attr(n.PULL_COSTS, {})) == {"holder", "pull", "recompute"} for s in pull_spans), \
     "each pull decision should record the three estimated costs"
-print(f"✓ TTFT p50 {blind['ttft_ms']['p50']:.0f} → {aware['ttft_ms']['p50']:.0f} ms; reused "
+print(f"✓ TTFT p50 {blind.ttft_ms.p50:.0f} → {aware.ttft_ms.p50:.0f} ms; reused "
       f"{share['kv-aware-gpu-only']:.0%} → {share['kv-aware']:.0%} of prompt tokens")
 
 # %% [markdown]

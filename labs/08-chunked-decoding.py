@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -137,21 +139,21 @@ fig.show()
 # %%
 settings = dict(workload=WORKLOAD, params=PARAMS, users=USERS, duration_s=DURATION_S, seed=SEED)
 phases = {p: nb.run_phase(stack, p, **settings) for p in POLICIES}
-console.print(summary_table({p: v["summary"] for p, v in phases.items()}, title="FIFO → chunk sizes 16 / 64 / 256"))
+console.print(summary_table({p: v.summary for p, v in phases.items()}, title="FIFO → chunk sizes 16 / 64 / 256"))
 
 
 def per_class(recs):
-    ok = [r for r in recs if not r.get("error")]
-    short = [r["ttft_ms"] for r in ok if r["group"].startswith("short") and r.get("ttft_ms") is not None]
-    long = [r["e2e_ms"] for r in ok if r["group"] == "long"]
+    ok = [r for r in recs if not r.error]
+    short = [r.ttft_ms for r in ok if r.group.startswith("short") and r.ttft_ms is not None]
+    long = [r.e2e_ms for r in ok if r.group == "long"]
     return {"short_n": len(short), "short_ttft_p50": float(np.percentile(short, 50)),
             "short_ttft_p99": float(np.percentile(short, 99)), "long_n": len(long),
             "long_e2e_p50": float(np.percentile(long, 50)) if long else float("nan"),
-            "long_gap_p95": float(np.percentile([r["itl_max_ms"] for r in ok if r["group"] == "long"
-                                                 and r.get("itl_max_ms") is not None] or [np.nan], 95))}
+            "long_gap_p95": float(np.percentile([r.itl_max_ms for r in ok if r.group == "long"
+                                                 and r.itl_max_ms is not None] or [np.nan], 95))}
 
 
-stats = {p: per_class(v["records"]) for p, v in phases.items()}
+stats = {p: per_class(v.records) for p, v in phases.items()}
 print(f"{'policy':<22} {'short n':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'long n':>7} {'long E2E p50':>13} {'long worst gap p95':>19}")
 for p, s in stats.items():
     print(f"{p:<22} {s['short_n']:>7} {s['short_ttft_p50']:>9.0f} {s['short_ttft_p99']:>9.0f} {s['long_n']:>7} "
@@ -205,7 +207,7 @@ assert len(ids) == 1 and usage["completion_tokens"] == 160, f"one stream with al
 assert len(chunks) == 5 and len({s.attr(n.REPLICA) for s in chunks}) == 1, "5 chunks of 32, all on one replica"
 assert all(s.attr(n.CHUNK_RESUME_HIT) for s in chunks[1:]), "every resumed chunk should be a cache hit"
 assert resume_cost["evicted"][0] > 2 * resume_cost["cached"][0], f"an evicted resume recomputes: {resume_cost}"
-assert all(v["summary"]["errors"] == 0 for v in phases.values()), "every phase should complete cleanly"
+assert all(v.summary.errors == 0 for v in phases.values()), "every phase should complete cleanly"
 assert stats["kv-aware-chunked"]["short_ttft_p99"] < stats["kv-aware"]["short_ttft_p99"], (
     f"chunking should lower short-request TTFT p99: {stats}")
 assert resume_hits > 0 and resume_hits >= 5 * resume_misses, f"resumes should hit their cache: {resume_hits}/{resume_misses}"

@@ -104,7 +104,7 @@ for policy in ("kv-aware", "kv-aware-typed", "kv-aware-pin-all"):
     phases[policy] = nb.run_phase(stack, policy, **settings)
     after = class_counters()
     by_class[policy] = {k: {c: after[k][c] - before[k][c] for c in CLASSES} for k in after}
-console.print(summary_table({p: v["summary"] for p, v in phases.items()}, title="LRU → typed → pin-all"))
+console.print(summary_table({p: v.summary for p, v in phases.items()}, title="LRU → typed → pin-all"))
 
 # %% [markdown]
 # ## 2. Recomputed tokens
@@ -113,12 +113,12 @@ console.print(summary_table({p: v["summary"] for p, v in phases.items()}, title=
 
 # %%
 def recomputed(records: list[dict]) -> tuple[int, int, int]:
-    ok = [r for r in records if not r.get("error") and r.get("prompt_tokens") is not None]
-    total = sum(r["prompt_tokens"] - (r.get("cached_tokens") or 0) for r in ok)
-    return total, len(ok), sum(r["prompt_tokens"] for r in ok)
+    ok = [r for r in records if not r.error and r.prompt_tokens is not None]
+    total = sum(r.prompt_tokens - (r.cached_tokens or 0) for r in ok)
+    return total, len(ok), sum(r.prompt_tokens for r in ok)
 
 
-stats = {p: recomputed(v["records"]) for p, v in phases.items()}
+stats = {p: recomputed(v.records) for p, v in phases.items()}
 for p, (total, count, prompt) in stats.items():
     print(f"{p:<18} {count:4d} requests · recomputed {total:8,d} of {prompt:9,d} prompt tokens "
           f"({total / max(prompt, 1):.1%}) · {total / max(count, 1):6.0f} per request")
@@ -156,9 +156,9 @@ fig = go.Figure()
 ttft_by_turn = {}
 for policy, v in phases.items():
     per_turn = defaultdict(list)
-    for r in v["records"]:
-        if not r.get("error") and r.get("ttft_ms") is not None:
-            per_turn[r["turn"]].append(r["ttft_ms"])
+    for r in v.records:
+        if not r.error and r.ttft_ms is not None:
+            per_turn[r.turn].append(r.ttft_ms)
     turns = sorted(t for t, xs in per_turn.items() if len(xs) >= 3)
     ttft_by_turn[policy] = {t: sorted(per_turn[t])[len(per_turn[t]) // 2] for t in turns}
     fig.add_scatter(name=policy, x=turns, y=[ttft_by_turn[policy][t] for t in turns], mode="lines+markers")
@@ -180,7 +180,7 @@ fig.show()
 # %%
 lru, typed = stats["kv-aware"], stats["kv-aware-typed"]
 t = by_class["kv-aware-typed"]
-assert all(v["summary"]["ok"] >= 10 for v in phases.values()), "too few requests completed in a phase"
+assert all(v.summary.ok >= 10 for v in phases.values()), "too few requests completed in a phase"
 assert t["queries"]["pinned"] > 0, "no pinned blocks: is typed retention on (sim.typed_retention)?"
 assert by_class["kv-aware"]["queries"]["pinned"] == 0, "kv-aware sent directives: it must not"
 pinned_hit = t["hits"]["pinned"] / t["queries"]["pinned"]

@@ -102,3 +102,12 @@ def span_role(span) -> str:
     from kvlab.telemetry import names
 
     return span.attributes.get(names.SPAN_ROLE, span.name)
+
+
+def phase_result(name: str, records: list, summary=None, **kw):
+    """A finished phase as the report takes it (summary from the records unless given)."""
+    from kvlab.load.summary import summarize
+    from kvlab.run.phases import Phase, PhaseResult
+
+    return PhaseResult(phase=Phase(name, name), dir=Path("."), records=records,
+                       summary=summarize(records) if summary is None else summary, **kw)

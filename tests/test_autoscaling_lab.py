@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_port, require, require_binary
+from conftest import free_port, phase_result, require, require_binary
 from kvlab.errors import ConfigError
+from kvlab.load.measure import Record
 from kvlab.load.ramp import Ramp, up_hold_down
 from kvlab.report.autoscale import FIGURE_ID, section
 from kvlab.stack.prometheus import scrape_config, targets_file, write_targets
@@ -53,16 +54,15 @@ def test_prometheus_reads_targets_from_files_the_stack_rewrites(tmp_path):
 
 
 def test_report_section_only_for_an_autoscaling_phase():
-    records = [{"ts": 100.0 + i, "ttft_ms": 50.0 + i, "e2e_ms": 200.0, "replica": "r", "error": None}
-               for i in range(10)]
+    records = [Record(ts=100.0 + i, ttft_ms=50.0 + i, e2e_ms=200.0, replica="r", error=None) for i in range(10)]
     data = {"samples": [{"t": 100.0 + i, "desired": 1 + (2 <= i <= 6), "running": 1 + (3 <= i <= 7),
                          "reason": "up:queue"} for i in range(10)],
             "actions": [{"t": 103.0, "direction": "up", "replica": "r-scaled-1", "to": 2, "reason": "up:queue",
                          "ready_ms": 900.0}],
             "users": [[100.0, 1], [104.0, 8]], "settings": {"scale_down_window_s": 6}}
-    html = section({"kv-aware": {"summary": {}, "records": records, "autoscale": data}})
+    html = section({"kv-aware": phase_result("kv-aware", records, autoscale=data)})
     assert FIGURE_ID in html and "desired replicas" in html and "r-scaled-1" in html
-    assert section({"kv-aware": {"summary": {}, "records": records}}) == ""
+    assert section({"kv-aware": phase_result("kv-aware", records)}) == ""
 
 
 def test_the_shipped_autoscale_topology_enables_the_scenario():

@@ -15,6 +15,7 @@ import pytest
 from conftest import require
 from kvlab.compare.routers import commands, render, resolve
 from kvlab.errors import ConfigError
+from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
 from kvlab.stack.process import runs_command
@@ -85,8 +86,8 @@ def test_vllm_router_kv_aware_is_fed_every_replicas_kv_events():
 def test_the_oracle_replays_what_was_sent_in_send_order():
     workload = create("multi-turn", seed=3, params={"turns": 3})
     sessions = list(itertools.islice(workload.sessions(), 3))
-    records = [{"ts": 2.0, "session": 2, "step": 0}, {"ts": 1.0, "session": 0, "step": 1},
-               {"ts": 3.0, "session": 0, "step": 2, "error": "HTTP 500"}, {"ts": 0.5, "session": 0, "step": 0}]
+    records = [Record(ts=2.0, session=2, step=0), Record(ts=1.0, session=0, step=1),
+               Record(ts=3.0, session=0, step=2, error="HTTP 500"), Record(ts=0.5, session=0, step=0)]
     assert replayed(workload, records) == [sessions[0][0], sessions[0][1], sessions[2][0]]
 
 

@@ -187,3 +187,44 @@ def test_cluster_defaults_are_the_pinned_ones():
     c = Cluster()
     assert (c.context, c.namespace, c.vllm_image, c.hf_model) == ("kind-kvlab", "kvlab", versions.VLLM_IMAGE, versions.VLLM_MODEL)
     assert Topology().total_replicas == 4
+
+
+def test_status_prints_real_objects_even_half_filled(monkeypatch, capsys):
+    """`kvlab cluster status` reads the client's objects, whose fields are all optional: a pod not
+    yet scheduled has no IP or node, a deployment just created no status."""
+    from kubernetes import client
+    from kubernetes.client import (
+        V1Container,
+        V1Deployment,
+        V1DeploymentSpec,
+        V1DeploymentStatus,
+        V1ObjectMeta,
+        V1Pod,
+        V1PodSpec,
+        V1PodStatus,
+        V1PodTemplateSpec,
+        V1Service,
+    )
+
+    def items(*objs):
+        return type("List", (), {"items": list(objs)})()
+
+    spec = V1DeploymentSpec(replicas=2, selector={}, template=V1PodTemplateSpec(
+        spec=V1PodSpec(containers=[V1Container(name="gw", image="kvlab:1")])))
+    deployments = items(V1Deployment(metadata=V1ObjectMeta(name="sim"), spec=spec),
+                        V1Deployment(metadata=V1ObjectMeta(name="gateway"), spec=spec,
+                                     status=V1DeploymentStatus(ready_replicas=2)))
+    pods = items(V1Pod(metadata=V1ObjectMeta(name="sim-0"), spec=V1PodSpec(containers=[]), status=V1PodStatus(phase="Pending")),
+                 V1Pod(metadata=V1ObjectMeta(name="gateway-0"), spec=V1PodSpec(containers=[], node_name="n1"),
+                       status=V1PodStatus(phase="Running", pod_ip="10.0.0.5")))
+    services = items(V1Service(metadata=V1ObjectMeta(name="kvlab-gateway")))
+    monkeypatch.setattr(cli, "api_client", lambda context: None)
+    monkeypatch.setattr(client, "AppsV1Api", lambda api: type("Apps", (), {
+        "list_namespaced_deployment": lambda self, ns, label_selector: deployments})())
+    monkeypatch.setattr(client, "CoreV1Api", lambda api: type("Core", (), {
+        "list_namespaced_pod": lambda self, ns, label_selector: pods,
+        "list_namespaced_service": lambda self, ns: services})())
+    assert cli.status(cli._parser().parse_args(["status"])) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"gateway\s+2/2\s+kvlab:1", out) and re.search(r"sim\s+0/2\s+kvlab:1", out)
+    assert re.search(r"sim-0\s+Pending\s+-\s+-", out) and re.search(r"gateway-0\s+Running\s+10\.0\.0\.5\s+n1", out)

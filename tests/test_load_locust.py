@@ -6,6 +6,7 @@ import csv
 import json
 import time
 
+import msgspec
 import pytest
 import requests
 
@@ -49,15 +50,15 @@ def test_bench_writes_records_summary_and_locust_csv(replica, tmp_path):
     summary = run_bench(replica["url"], tmp_path, spec, phase="direct",
                         progress=lambda elapsed, records: seen.append(len(records)))
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-    assert len(records) == summary["requests"] >= 5 and summary["errors"] == 0
+    assert len(records) == summary.requests >= 5 and summary.errors == 0
     assert max(seen) == len(records)
     for r in records:
         assert r["phase"] == "direct" and r["workload"] == "shared-prefix"
         assert r["ttft_ms"] > 0 and r["output_tokens"] == 8 and r["replica"] == replica["name"]
         assert len(r["trace_id"]) == 32
-    assert summary["hit_rate"]["delivered"] > 0.3       # 2 groups on one replica: mostly hits
-    assert summary["hit_rate"]["available"] is None      # no gateway, no routing headers
-    assert json.loads((tmp_path / "summary.json").read_text())["ttft_ms"] == summary["ttft_ms"]
+    assert summary.hit_rate.delivered > 0.3       # 2 groups on one replica: mostly hits
+    assert summary.hit_rate.available is None      # no gateway, no routing headers
+    assert json.loads((tmp_path / "summary.json").read_text())["ttft_ms"] == msgspec.to_builtins(summary.ttft_ms)
     # locust_stats.csv is a periodic snapshot (it can lag the end of the run); the final counts are
     # the summary table Locust prints on exit, in locust.log
     with open(tmp_path / "locust_stats.csv") as f:

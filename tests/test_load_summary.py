@@ -6,15 +6,16 @@ import json
 
 from rich.console import Console
 
+from kvlab.load.measure import Record
 from kvlab.load.runner import JsonlTail
-from kvlab.load.summary import summarize
+from kvlab.load.summary import HitRate, summarize
 from kvlab.load.table import summary_table
 
 
 def rec(i, ttft, cached, error=None, replica="sim-0", prompt=1000, available=None, predicted=None):
-    return {"ts": 100.0 + i * 0.5, "ttft_ms": ttft, "itl_ms": 10.0, "tpot_ms": 11.0, "e2e_ms": 400.0,
-            "prompt_tokens": prompt, "output_tokens": 32, "cached_tokens": cached, "available_tokens": available,
-            "predicted_tokens": predicted, "replica": replica, "error": error}
+    return Record(ts=100.0 + i * 0.5, ttft_ms=ttft, itl_ms=10.0, tpot_ms=11.0, e2e_ms=400.0,
+                  prompt_tokens=prompt, output_tokens=32, cached_tokens=cached, available_tokens=available,
+                  predicted_tokens=predicted, replica=replica, error=error)
 
 
 def test_percentiles_rates_and_hit_rates():
@@ -22,22 +23,22 @@ def test_percentiles_rates_and_hit_rates():
                    replica=f"sim-{i % 2}") for i in range(100)]
     records.append(rec(100, ttft=None, cached=None, error="HTTP 503: down"))
     s = summarize(records)
-    assert s["requests"] == 101 and s["ok"] == 100 and s["errors"] == 1
-    assert s["first_error"] == "HTTP 503: down"
-    assert abs(s["ttft_ms"]["p50"] - 50.5) < 1e-6
-    assert 94 < s["ttft_ms"]["p95"] < 97 and 98 < s["ttft_ms"]["p99"] <= 100
-    assert s["hit_rate"] == {"available": 0.9, "predicted": 0.6, "speculative": None, "delivered": 0.5}
+    assert s.requests == 101 and s.ok == 100 and s.errors == 1
+    assert s.first_error == "HTTP 503: down"
+    assert abs(s.ttft_ms.p50 - 50.5) < 1e-6
+    assert 94 < s.ttft_ms.p95 < 97 and 98 < s.ttft_ms.p99 <= 100
+    assert s.hit_rate == HitRate(available=0.9, predicted=0.6, speculative=None, delivered=0.5)
     # window: first send (t=100) to last end (t=150 + 0.4)
-    assert abs(s["duration_s"] - 50.4) < 1e-6
-    assert abs(s["rps"] - 100 / 50.4) < 1e-3
-    assert abs(s["output_tok_s"] - 3200 / 50.4) < 1e-2
-    assert s["replicas"] == {"sim-0": 50, "sim-1": 50}
+    assert abs(s.duration_s - 50.4) < 1e-6
+    assert abs(s.rps - 100 / 50.4) < 1e-3
+    assert abs(s.output_tok_s - 3200 / 50.4) < 1e-2
+    assert s.replicas == {"sim-0": 50, "sim-1": 50}
 
 
 def test_hit_rates_absent_without_gateway_headers():
     s = summarize([rec(0, 5.0, cached=0)])
-    assert s["hit_rate"]["available"] is None and s["hit_rate"]["delivered"] == 0.0
-    assert summarize([])["requests"] == 0
+    assert s.hit_rate.available is None and s.hit_rate.delivered == 0.0
+    assert summarize([]).requests == 0
 
 
 def test_jsonl_tail_reads_only_complete_lines(tmp_path):
@@ -45,11 +46,11 @@ def test_jsonl_tail_reads_only_complete_lines(tmp_path):
     tail = JsonlTail(path)
     assert tail.poll() == []
     with open(path, "w") as f:
-        f.write(json.dumps({"a": 1}) + "\n" + '{"a": ')
-    assert tail.poll() == [{"a": 1}]
+        f.write(json.dumps({"ts": 1}) + "\n" + '{"ts": ')
+    assert tail.poll() == [Record(ts=1)]
     with open(path, "a") as f:
         f.write('2}\n')
-    assert tail.poll() == [{"a": 1}, {"a": 2}]
+    assert tail.poll() == [Record(ts=1), Record(ts=2)]
 
 
 def test_table_shows_the_change_in_the_right_direction():

@@ -17,9 +17,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import require
+from conftest import phase_result, require
 from kvlab.kvcache.hashing import block_keys
-from kvlab.load.summary import summarize
+from kvlab.load.measure import Record
+from kvlab.load.summary import HitRate, Summary
 from kvlab.report import write_report
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
@@ -60,7 +61,7 @@ def run(tmp_path: Path) -> tuple[Path, dict]:
     provider = TracerProvider(resource=Resource.create({"service.name": "kvlab-gateway"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("kvlab.gateway")
-    records: dict[str, list[dict]] = {"round-robin": [], "kv-aware": []}
+    records: dict[str, list[Record]] = {"round-robin": [], "kv-aware": []}
     for i, (policy, group, chosen, reason, cands, delivered) in enumerate(REQUESTS):
         with tracer.start_as_current_span(n.SPAN_GATEWAY_REQUEST) as root:
             root.set_attributes({n.POLICY: policy, n.PROMPT_TOKENS: PROMPT, n.REPLICA: chosen,
@@ -72,18 +73,18 @@ def run(tmp_path: Path) -> tuple[Path, dict]:
                                   n.PREFIX_AVAILABLE_TOKENS: max(c["prefix_tokens"] for c in cands),
                                   n.PREFIX_PREDICTED_TOKENS: next(c["prefix_tokens"] for c in cands
                                                                   if c["replica"] == chosen)})
-            records[policy].append({
-                "ts": 1000.0 + i, "trace_id": format(root.get_span_context().trace_id, "032x"), "group": group,
-                "replica": chosen, "ttft_ms": 100.0 if delivered else 900.0, "itl_ms": 10.0, "tpot_ms": 10.0,
-                "e2e_ms": 1000.0, "prompt_tokens": PROMPT, "output_tokens": 8, "cached_tokens": delivered,
-                "available_tokens": max(c["prefix_tokens"] for c in cands), "error": None,
-                "predicted_tokens": next(c["prefix_tokens"] for c in cands if c["replica"] == chosen)})
+            records[policy].append(Record(
+                ts=1000.0 + i, trace_id=format(root.get_span_context().trace_id, "032x"), group=group,
+                replica=chosen, ttft_ms=100.0 if delivered else 900.0, itl_ms=10.0, tpot_ms=10.0,
+                e2e_ms=1000.0, prompt_tokens=PROMPT, output_tokens=8, cached_tokens=delivered,
+                available_tokens=max(c["prefix_tokens"] for c in cands), error=None,
+                predicted_tokens=next(c["prefix_tokens"] for c in cands if c["replica"] == chosen)))
     root = tmp_path / "run"
     (root / "traces").mkdir(parents=True)
     sink = SpanFile(root / "traces")
     sink.write(encode_spans(exporter.get_finished_spans()))
     sink.close()
-    phases = {p: {"summary": summarize(recs), "records": recs} for p, recs in records.items()}
+    phases = {p: phase_result(p, recs) for p, recs in records.items()}
     (root / "summary.json").write_text(json.dumps({"workload": WORKLOAD, "policies": list(phases),
                                                    "topology": {"sim": {"block_size": 16}}}))
     return root, phases
@@ -105,7 +106,7 @@ def test_chain_figure_from_the_workloads_token_ids():
 def test_residency_counts_evictions_and_spread(run):
     root, phases = run
     traces = OtlpFileSource(root / "traces").traces()
-    res = mechanism.residency(traces, [r for v in phases.values() for r in v["records"]])
+    res = mechanism.residency(traces, [r for v in phases.values() for r in v.records])
     rr, kv = res["round-robin"], res["kv-aware"]
     assert rr.evictions == {("g0", "sim-0"): 1} and kv.evictions == {}
     assert rr.groups == ["g0", "g1"] and rr.replicas == ["sim-0", "sim-1"]
@@ -117,11 +118,11 @@ def test_residency_counts_evictions_and_spread(run):
 
 def test_funnel_and_examples(run):
     root, phases = run
-    fig = mechanism.funnel_figure({p: v["summary"] for p, v in phases.items()})
+    fig = mechanism.funnel_figure({p: v.summary for p, v in phases.items()})
     assert [t.name for t in fig.data] == ["round-robin", "kv-aware"]
     kv = fig.data[1].x
     assert kv[0] >= kv[1] >= kv[2] > 0
-    blind = {"baseline-service": {"hit_rate": {"available": None, "predicted": None, "delivered": 0.2}}}
+    blind = {"baseline-service": Summary(hit_rate=HitRate(available=None, predicted=None, delivered=0.2))}
     assert not mechanism.funnel_figure(blind).data       # unknown is not drawn as 0
     figs, decisions = mechanism.figures(root, phases)
     assert len(figs) == 3 and len(decisions) == len(REQUESTS)

@@ -1,4 +1,4 @@
-"""The lab notebooks (labs/0*.ipynb): paired with their py:percent files, executed top to bottom on
+"""The lab notebooks (labs/NN-*.ipynb): paired with their py:percent files, executed top to bottom on
 the local simulator target (any cell error or failed checkpoint fails), rendered to HTML and
 loaded in headless Chromium, where every plotly figure must draw without a JavaScript error.
 
@@ -23,10 +23,10 @@ from conftest import require, require_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
-NOTEBOOKS = sorted(LABS.glob("0*.ipynb"))
-# 04, 05 and 07 switch the stack to their own topologies; running them last lets 06 reuse the phases
-# of 01-02 (each notebook also runs alone: see test_a_notebook_runs_alone_starting_what_it_needs)
-ORDER = sorted(NOTEBOOKS, key=lambda p: (p.stem[:2] in ("04", "05", "07"), p.stem))
+NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]-*.ipynb"))
+# 04, 05, 07 and 10 switch the stack to their own topologies; running them last lets 06 reuse the
+# phases of 01-02 (each notebook also runs alone: see test_a_notebook_runs_alone_starting_what_it_needs)
+ORDER = sorted(NOTEBOOKS, key=lambda p: (p.stem[:2] in ("04", "05", "07", "10"), p.stem))
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by test_notebook_runs)
 
@@ -35,7 +35,7 @@ jupytext = pytest.importorskip("jupytext")
 
 
 def test_every_notebook_has_its_py_percent_pair_in_sync():
-    pys = sorted(p for p in LABS.glob("0*.py"))
+    pys = sorted(p for p in LABS.glob("[0-9][0-9]-*.py"))
     assert [p.stem for p in pys] == [p.stem for p in NOTEBOOKS] and len(NOTEBOOKS) >= 7
     for ipynb in NOTEBOOKS:
         nb = nbformat.read(ipynb, as_version=4)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from conftest import phase_result
 from kvlab.gateway.config import load_policy
+from kvlab.load.measure import Record
+from kvlab.load.summary import Summary
 from kvlab.load.workloads import create
 from kvlab.report.html import render
 from kvlab.report.pd import section
@@ -31,25 +34,25 @@ def test_pd_mix_mixes_fresh_long_prompts_and_shared_prefixes():
 
 def test_report_pd_section_only_when_decisions_exist():
     base = {"ts": 1.0, "replica": "decode-0", "ttft_ms": 100.0, "itl_ms": 10.0, "e2e_ms": 800.0, "error": None}
-    unified = [{**base, "group": "long"}, {**base, "group": "g1"}]
+    unified = [Record(**base, group="long"), Record(**base, group="g1")]
     assert section({"kv-aware": unified}) == ""
-    split = [{**base, "group": "long", "pd": "split", "ttft_ms": 300.0},
-             {**base, "group": "g1", "pd": "unified"}, {**base, "group": "g1", "pd": "unified", "error": "boom"}]
+    split = [Record(**{**base, "group": "long", "pd": "split", "ttft_ms": 300.0}),
+             Record(**base, group="g1", pd="unified"), Record(**{**base, "group": "g1", "pd": "unified", "error": "boom"})]
     html = section({"kv-aware-unified": unified, "kv-aware": split})
     assert "Prefill/decode" in html
     assert "<td>kv-aware</td><td>long uncached</td><td>split</td><td>1</td><td>300</td>" in html
     assert "<td>kv-aware</td><td>shared prefix</td><td>unified</td><td>1</td>" in html   # the error is left out
     assert "<td>kv-aware-unified</td><td>long uncached</td><td>off</td>" in html
-    summary = {"ok": 1, "errors": 0}
-    page = render({"kv-aware": {"summary": summary, "records": split}}, {"run": "x"})
+    summary = Summary(ok=1, errors=0)
+    page = render({"kv-aware": phase_result("kv-aware", split, summary)}, {"run": "x"})
     assert "Prefill/decode disaggregation" in page
 
 
 def test_report_pd_section_shows_decode_stalls():
     def rec(phase_pd, worst, kind="g1"):
         gaps = [10.0] * 9 + [worst]
-        return {"ts": 1.0, "group": kind, "pd": phase_pd, "ttft_ms": 100.0, "itl_ms": sum(gaps) / 10,
-                "itl_max_ms": worst, "itl_gaps_ms": gaps, "e2e_ms": 900.0, "error": None}
+        return Record(ts=1.0, group=kind, pd=phase_pd, ttft_ms=100.0, itl_ms=sum(gaps) / 10,
+                      itl_max_ms=worst, itl_gaps_ms=gaps, e2e_ms=900.0, error=None)
     unified = [rec(None, 400.0)] * 4
     split = [rec("unified", 30.0)] * 4
     html = section({"kv-aware-unified": unified, "kv-aware": split})

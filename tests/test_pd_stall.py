@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from conftest import sim_process
-from kvlab.load.measure import Record, chat_body, stream_chat
+from kvlab.load.measure import Record, chat_body, record_of, stream_chat
 from kvlab.load.summary import summarize
 from kvlab.load.workloads import WorkloadRequest
 
@@ -54,12 +54,12 @@ def test_a_long_prefill_stalls_a_running_decode_and_the_record_shows_it(replica)
 
 
 def test_summary_reports_worst_gaps_and_every_gap():
-    smooth = {"ts": 1.0, "e2e_ms": 500.0, "itl_ms": 10.0, "itl_max_ms": 12.0, "itl_gaps_ms": [10.0] * 9 + [12.0]}
-    stalled = {"ts": 1.0, "e2e_ms": 900.0, "itl_ms": 46.0, "itl_max_ms": 370.0, "itl_gaps_ms": [10.0] * 9 + [370.0]}
-    old = {"ts": 1.0, "e2e_ms": 500.0, "itl_ms": 10.0}          # a record written before these fields existed
+    smooth = Record(ts=1.0, e2e_ms=500.0, itl_ms=10.0, itl_max_ms=12.0, itl_gaps_ms=[10.0] * 9 + [12.0])
+    stalled = Record(ts=1.0, e2e_ms=900.0, itl_ms=46.0, itl_max_ms=370.0, itl_gaps_ms=[10.0] * 9 + [370.0])
+    old = record_of(b'{"ts": 1.0, "e2e_ms": 500.0, "itl_ms": 10.0}')   # a record written before these fields existed
     s = summarize([smooth] * 9 + [stalled, old])
-    assert s["itl_ms"]["p50"] == 10.0 and s["itl_ms"]["p99"] > 40          # per-request means, as before (+ p99)
-    assert s["itl_max_ms"]["p50"] == 12.0 and s["itl_max_ms"]["p99"] > 300
-    assert s["token_itl_ms"]["p50"] == 10.0 and s["token_itl_ms"]["p99"] > 12.0   # over the 100 gaps
-    assert s["token_itl_ms"]["mean"] == pytest.approx((10.0 * 90 + 12.0 * 9 + 370.0) / 100, abs=1e-3)
-    assert summarize([old])["itl_max_ms"]["p50"] is None
+    assert s.itl_ms.p50 == 10.0 and s.itl_ms.p99 > 40          # per-request means, as before (+ p99)
+    assert s.itl_max_ms.p50 == 12.0 and s.itl_max_ms.p99 > 300
+    assert s.token_itl_ms.p50 == 10.0 and s.token_itl_ms.p99 > 12.0   # over the 100 gaps
+    assert s.token_itl_ms.mean == pytest.approx((10.0 * 90 + 12.0 * 9 + 370.0) / 100, abs=1e-3)
+    assert summarize([old]).itl_max_ms.p50 is None

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import sim_process
 from kvlab.errors import StackError
+from kvlab.load.measure import Record
 from kvlab.load.runner import run_bench, slow_part
 from kvlab.load.spec import BenchSpec
 
@@ -21,9 +22,9 @@ def test_phase_runs_past_its_duration_until_the_minimum(tmp_path):
     with sim_process(tmp_path, "--no-kv-events") as (_, info):
         summary = run_bench(info["replicas"][0]["url"], tmp_path / "phase",
                             BenchSpec(params=COLD, users=1, duration_s=2, min_requests=5, limit_s=60), phase="p")
-    assert summary["ok"] >= 5 and summary["duration_s"] > 3.0
-    assert (summary["min_requests"], summary["limit_s"]) == (5, 60)
-    assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary["ok"]
+    assert summary.ok >= 5 and summary.duration_s > 3.0
+    assert (summary.min_requests, summary.limit_s) == (5, 60)
+    assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary.ok
 
 
 def test_phase_that_cannot_reach_its_minimum_fails_naming_the_slow_part(tmp_path):
@@ -37,8 +38,8 @@ def test_phase_that_cannot_reach_its_minimum_fails_naming_the_slow_part(tmp_path
 
 
 def test_slow_part_names_prefill_or_generation():
-    prefill = [{"ttft_ms": 9000.0, "e2e_ms": 9500.0}]
-    decode = [{"ttft_ms": 300.0, "e2e_ms": 60000.0}]
+    prefill = [Record(ts=0.0, ttft_ms=9000.0, e2e_ms=9500.0)]
+    decode = [Record(ts=0.0, ttft_ms=300.0, e2e_ms=60000.0)]
     assert "prefill" in slow_part(prefill, 100) and "TTFT p50 9.0 s" in slow_part(prefill, 100)
     assert "generation" in slow_part(decode, 100)
-    assert slow_part([{"error": "HTTP 500"}], 100) == "every request failed (HTTP 500)"
+    assert slow_part([Record(ts=0.0, error="HTTP 500")], 100) == "every request failed (HTTP 500)"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require, require_binary
-from kvlab.load.summary import summarize
+from conftest import phase_result, require, require_binary
+from kvlab.load.measure import Record
 from kvlab.report import write_report
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -28,11 +28,11 @@ def phases(seed: int = 0) -> dict:
         recs = []
         for i in range(200):
             hit = rng.random() < hit_p
-            recs.append({"ts": 1000 + i * 0.1, "ttft_ms": (base / 5 if hit else base) * rng.uniform(0.8, 1.5),
-                         "itl_ms": 12.0, "tpot_ms": 12.0, "e2e_ms": 600.0, "prompt_tokens": 1900,
-                         "output_tokens": 32, "cached_tokens": 1850 if hit else 0, "available_tokens": 1850,
-                         "predicted_tokens": 1850 if hit else 0, "replica": f"sim-{i % 4}", "error": None})
-        out[phase] = {"summary": summarize(recs), "records": recs}
+            recs.append(Record(ts=1000 + i * 0.1, ttft_ms=(base / 5 if hit else base) * rng.uniform(0.8, 1.5),
+                               itl_ms=12.0, tpot_ms=12.0, e2e_ms=600.0, prompt_tokens=1900,
+                               output_tokens=32, cached_tokens=1850 if hit else 0, available_tokens=1850,
+                               predicted_tokens=1850 if hit else 0, replica=f"sim-{i % 4}", error=None))
+        out[phase] = phase_result(phase, recs)
     return out
 
 

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import FakeHandler, http_server
 from kvlab.errors import KvlabError
+from kvlab.load.measure import Record
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
 from kvlab.traces import cli
@@ -80,7 +81,7 @@ def run_dir(tmp_path: Path) -> Path:
         fh.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId"\n')   # cut short by a crash
     for phase, tid, ttft in [("phase-1-round-robin", ids[0], 400.0), ("phase-2-kv-aware", ids[1], 50.0)]:
         (tmp_path / "run" / phase).mkdir()
-        (tmp_path / "run" / phase / "requests.jsonl").write_text(json.dumps({"trace_id": tid, "ttft_ms": ttft}) + "\n")
+        (tmp_path / "run" / phase / "requests.jsonl").write_text(json.dumps({"ts": 1.0, "trace_id": tid, "ttft_ms": ttft}) + "\n")
     (tmp_path / "run" / "stack.json").write_text(json.dumps({"traces_dir": str(traces)}))
     return tmp_path / "run"
 
@@ -109,7 +110,7 @@ def test_decision_and_hit_rates(run_dir: Path):
     assert [c.replica for c in kv.candidates if c.chosen] == ["sim-1"]
     assert kv.scorers == ["prefix", "queue"] and kv.weights == {"prefix": 3.0, "queue": 1.0}
     assert (kv.prompt_tokens, kv.available, kv.predicted, kv.delivered) == (128, 96, 96, 80)
-    rows = request_hits(traces, [{"trace_id": kv.trace_id, "ttft_ms": 50.0}])
+    rows = request_hits(traces, [Record(ts=1.0, trace_id=kv.trace_id, ttft_ms=50.0)])
     assert [r.ttft_ms for r in rows] == [None, 50.0]
     stats = summarize(rows)
     assert stats["kv-aware"]["delivered"] == pytest.approx(80 / 128)

@@ -123,7 +123,7 @@ def _write_run(tmp_path: Path, decisions: list[tuple[str, str, str, list[dict], 
                 s.set_attributes({n.SCHEDULE_CANDIDATES: json.dumps(cands), n.SCHEDULE_CHOSEN: chosen,
                                   n.SCHEDULE_WEIGHTS: json.dumps(KV_WEIGHTS), n.SCHEDULE_REASON: reason,
                                   n.SCHEDULE_SHADOW: policy == "round-robin", n.POLICY: policy})
-            records.append({"trace_id": format(root.get_span_context().trace_id, "032x"), "ttft_ms": ttft})
+            records.append({"ts": 1.0, "trace_id": format(root.get_span_context().trace_id, "032x"), "ttft_ms": ttft})
     traces = tmp_path / "run" / "traces"
     traces.mkdir(parents=True)
     sink = SpanFile(traces)

@@ -29,7 +29,7 @@ from kvlab.errors import KvlabError
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
-from kvlab.run.outcome import comparison, finish
+from kvlab.run.outcome import comparison, finish, read_phases
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.stack.cli import resolve_topology
 from kvlab.stack.state import new_run_dir, set_latest
@@ -192,8 +192,8 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
             results = run_phases(stack, spec, phases, run_dir, display)
     finally:
         stack.stop()
-    answered = {r["policy"] for res in results if res.phase.entry == "gateway"
-                for r in res.records if r.get("policy")} - {policy}
+    answered = {r.policy for res in results if res.phase.entry == "gateway"
+                for r in res.records if r.policy} - {policy}
     if answered:
         console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "
                       f"{policy}: pass the --topology you deployed[/yellow]")
@@ -226,7 +226,6 @@ def main(argv: list[str]) -> int:
         return code
     if done[0] is None:   # --cluster --dry-run
         return 0
-    summary = json.loads((done[0] / "summary.json").read_text())
-    if any(s["ok"] == 0 for s in summary["phases"].values()):
+    if any(s.ok == 0 for s in read_phases(done[0]).values()):
         return fail(console, "lab", "a phase completed no request; see the logs under the run dir")
     return 0

@@ -25,10 +25,11 @@ import msgspec
 
 from kvlab.errors import StackError
 from kvlab.lab import QUICK
+from kvlab.load.measure import Record, read_records
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import read_jsonl
-from kvlab.run.phases import Phase, run_phases
+from kvlab.load.summary import read_summary
+from kvlab.run.phases import Phase, PhaseResult, run_phases
 from kvlab.stack import attached
 from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
 from kvlab.stack.base import StackInfo
@@ -37,8 +38,8 @@ from kvlab.stack.process import Child
 from kvlab.stack.state import read_stack, runs_dir, write_json
 from kvlab.telemetry import names as n
 
-__all__ = ["PROCESSES_FILE", "TARGETS", "dashboard_panel", "ensure_stack", "gateway", "healthy", "load_phase",
-           "phase", "phase_dir", "replica_metrics", "reset_caches", "run_env", "run_lab", "run_phase",
+__all__ = ["PROCESSES_FILE", "TARGETS", "LabPhase", "dashboard_panel", "ensure_stack", "gateway", "healthy",
+           "load_phase", "phase", "phase_dir", "replica_metrics", "reset_caches", "run_env", "run_lab", "run_phase",
            "runs_root", "setup", "stop_stack", "wait_trace"]
 
 QUICK_DURATION_S = QUICK["duration"]
@@ -149,15 +150,15 @@ class _Progress:
         self.samples: list[dict[str, Any]] = []
         self._next = 0.0
 
-    def _render(self, elapsed: float, records: list[dict[str, Any]]) -> str:
-        ok = sorted(r["ttft_ms"] for r in records if not r.get("error") and r.get("ttft_ms") is not None)
+    def _render(self, elapsed: float, records: list[Record]) -> str:
+        ok = sorted(r.ttft_ms for r in records if not r.error and r.ttft_ms is not None)
         p50 = f"{ok[len(ok) // 2]:.0f} ms" if ok else "–"
-        errors = sum(1 for r in records if r.get("error"))
+        errors = sum(1 for r in records if r.error)
         done = min(elapsed, self.total_s)
         return (f"<b>{self.label}</b> <progress value='{done:.1f}' max='{self.total_s:.1f}'></progress> "
                 f"{done:.0f}/{self.total_s:.0f} s · {len(records)} requests · TTFT p50 {p50} · {errors} errors")
 
-    def __call__(self, elapsed: float, records: list[dict[str, Any]]) -> None:
+    def __call__(self, elapsed: float, records: list[Record]) -> None:
         if elapsed >= self._next:      # sample replica load about once a second
             self._next = elapsed + 1.0
             for name, m in replica_metrics(self.stack).items():
@@ -181,6 +182,14 @@ class _Display:
         pass
 
 
+class LabPhase(PhaseResult, kw_only=True):
+    """A phase as a notebook shows it: its result plus the replicas' load, sampled about once a
+    second, and the engines' prefix-cache queries/hits counted during it (replica-samples.json)."""
+
+    samples: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    engines: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+
+
 def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
     """The newest phase-N-<policy>/ with a summary in the stack's run dir."""
     found = sorted(Path(stack["run_dir"]).glob(f"phase-*-{policy}/summary.json"),
@@ -190,8 +199,9 @@ def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
 
 def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = QUICK_USERS,
-              duration_s: float = QUICK_DURATION_S, seed: int = 0) -> dict[str, Any]:
-    """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab.run.phases).
+              duration_s: float = QUICK_DURATION_S, seed: int = 0, min_requests: int = 0) -> LabPhase:
+    """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab.run.phases);
+    with `min_requests`, the phase also runs until that many completed (as `kvlab lab`'s).
 
     Writes <run>/phase-N-<policy>/ (requests.jsonl, summary.json, replica-samples.json, the
     engines' prefix-cache counters before/after) and returns load_phase() of it."""
@@ -199,7 +209,7 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
     number = 1 + max([int(p.name.split("-")[1]) for p in run.glob("phase-*-*") if p.name.split("-")[1].isdigit()],
                      default=0)
     spec = BenchSpec(workload=workload, params=params or {}, users=users, duration_s=duration_s, seed=seed,
-                     model=stack["model"])
+                     model=stack["model"], min_requests=min_requests)
     display = _Display(stack)
     stack_ = AttachedStack.of(stack)
     before = replica_metrics(stack)   # counters only grow: a reset or a gateway start does not move them
@@ -216,25 +226,26 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
     return load_phase(result.dir)
 
 
-def load_phase(out: Path) -> dict[str, Any]:
-    """{"dir", "summary", "records", "samples", "engines"} of one phase folder."""
+def load_phase(out: Path) -> LabPhase:
+    """One phase folder (phase-N-<name>/) read back."""
     extra = json.loads((out / "replica-samples.json").read_text()) if (out / "replica-samples.json").exists() else {}
-    return {"dir": out, "summary": json.loads((out / "summary.json").read_text()),
-            "records": read_jsonl(out / "requests.jsonl"), "samples": extra.get("samples", []),
-            "engines": extra.get("engine_prefix_cache", {})}
+    summary = read_summary(out / "summary.json")
+    name = summary.phase or out.name.split("-", 2)[-1]
+    return LabPhase(phase=Phase(name, summary.policy or name), dir=out, summary=summary,
+                    records=read_records(out / "requests.jsonl"), samples=extra.get("samples", []),
+                    engines=extra.get("engine_prefix_cache", {}))
 
 
-def phase(stack: dict[str, Any], policy: str, **kw: Any) -> dict[str, Any]:
+def phase(stack: dict[str, Any], policy: str, **kw: Any) -> LabPhase:
     """The stack's latest phase with `policy` if the run has one with the same workload, seed,
     users and duration; else run it now (run_phase)."""
     found = phase_dir(stack, policy)
     if found is not None:
         earlier = load_phase(found)
-        s = earlier["summary"]
-        wanted = {"workload": kw.get("workload", "shared-prefix"), "seed": kw.get("seed", 0),
-                  "users": kw.get("users", QUICK_USERS),
-                  "configured_duration_s": kw.get("duration_s", QUICK_DURATION_S)}
-        if all(s.get(k) == v for k, v in wanted.items()):
+        s = earlier.summary
+        wanted = (kw.get("workload", "shared-prefix"), kw.get("seed", 0), kw.get("users", QUICK_USERS),
+                  kw.get("duration_s", QUICK_DURATION_S))
+        if (s.workload, s.seed, s.users, s.configured_duration_s) == wanted:
             print(f"using {found.relative_to(stack['run_dir'])} from an earlier notebook (same workload, seed, users)")
             return earlier
     return run_phase(stack, policy, **kw)

@@ -23,6 +23,7 @@ from kvlab.doctor import preflight
 from kvlab.errors import ConfigError
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.lab import DEFAULT_TOPOLOGY, _run_dir, _topology, bench_spec
+from kvlab.load.measure import Record
 from kvlab.load.runner import Progress
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
@@ -85,7 +86,7 @@ class Labelled:
 
 
 def measure(stack: RouterStack, spec: BenchSpec, routers: list[Router], out: Path, display: Display,
-            tokenizer: PromptTokenizer) -> tuple[list[Row], dict[str, list[dict[str, Any]]], str]:
+            tokenizer: PromptTokenizer) -> tuple[list[Row], dict[str, list[Record]], str]:
     """Every router on one workload: (rows, records by router, what the oracle assumed)."""
     block_size, blocks = capacity(stack.base.topology)
     workload = create(spec.workload, seed=spec.seed, params=spec.params)
@@ -122,7 +123,7 @@ def run_compare(argv: list[str], console: Console) -> Path:
     tokenizer = PromptTokenizer(Tokenizer(topology.tokenizer)) if topology.tokenizer else PromptTokenizer()
     started = time.monotonic()
     sections: dict[str, Any] = {}
-    records: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    records: dict[str, dict[str, list[Record]]] = {}
     with local_routers(console, topology, run_dir, routers, doctor.advice) as stack, \
             RichDisplay(console, waiting="starting router...") as display:
         for w, spec in specs.items():

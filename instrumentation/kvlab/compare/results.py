@@ -17,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
 from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.load.measure import Record
 from kvlab.load.oracle import Oracle, oracle, replayed
+from kvlab.load.summary import Summary
 from kvlab.load.workloads import Workload
 from kvlab.telemetry import names
 
@@ -64,24 +66,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def row(router: str, peer: bool, summary: dict[str, Any], ceiling: Oracle | None,
+def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
         before: dict[str, float], after: dict[str, float]) -> Row:
     """The row of one router's run: its summary.json, the oracle and the replicas' counters."""
     served = {n: int(after[n] - before.get(n, 0.0)) for n in after}
     total = sum(served.values())
-    hit = (summary.get("hit_rate") or {}).get("delivered")
+    hit = summary.hit_rate.delivered
     top = ceiling.hit_rate if ceiling is not None and ceiling.prompt_tokens else None
-    ttft, itl = summary.get("ttft_ms") or {}, summary.get("itl_ms") or {}
-    return Row(router=router, peer=peer, requests=summary["requests"], ok=summary["ok"], errors=summary["errors"],
-               first_error=summary.get("first_error"), hit_rate=hit,
+    ttft, itl = summary.ttft_ms, summary.itl_ms
+    return Row(router=router, peer=peer, requests=summary.requests, ok=summary.ok, errors=summary.errors,
+               first_error=summary.first_error, hit_rate=hit,
                oracle_hit_rate=round(top, 4) if top is not None else None, share_of_oracle=_ratio(hit, top),
-               ttft_p50_ms=ttft.get("p50"), ttft_p95_ms=ttft.get("p95"), ttft_p99_ms=ttft.get("p99"),
-               itl_p50_ms=itl.get("p50"), itl_p95_ms=itl.get("p95"), rps=summary["rps"],
-               output_tok_s=summary["output_tok_s"], replica_requests=served,
+               ttft_p50_ms=ttft.p50, ttft_p95_ms=ttft.p95, ttft_p99_ms=ttft.p99,
+               itl_p50_ms=itl.p50, itl_p95_ms=itl.p95, rps=summary.rps,
+               output_tok_s=summary.output_tok_s, replica_requests=served,
                max_load=round(max(served.values()) * len(served) / total, 3) if total else None)
 
 
-def ceiling_for(workload: Workload[Any], records: list[dict[str, Any]], block_size: int, replicas: int,
+def ceiling_for(workload: Workload[Any], records: list[Record], block_size: int, replicas: int,
                 blocks_per_replica: int | None, tokenizer: PromptTokenizer) -> Oracle | None:
     """The oracle for the requests one router completed (None: no request to judge)."""
     sent = replayed(workload, records)

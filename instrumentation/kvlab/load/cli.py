@@ -72,4 +72,4 @@ def main(argv: list[str]) -> int:
         return 1
     console.print(summary_table({args.phase: summary}))
     console.print(f"records: {out / 'requests.jsonl'}\nsummary: {out / 'summary.json'}")
-    return 0 if summary["ok"] else 1
+    return 0 if summary.ok else 1

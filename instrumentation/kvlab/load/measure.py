@@ -12,6 +12,7 @@ gateway's `x-kvlab-*` headers. Plain `requests`, so it runs under Locust's geven
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -51,6 +52,27 @@ class Record(msgspec.Struct, kw_only=True):
     pd: str | None = None                 # gateway header x-kvlab-pd-decision: split | unified | fallback
     trace_id: str | None = None
     error: str | None = None
+
+
+def record_of(line: bytes) -> Record | None:
+    """One requests.jsonl line as a Record; None for a line cut short by a killed writer or one
+    that is no record. Older files lack later keys (their defaults apply); a null where a record
+    now always has a value counts as absent."""
+    try:
+        row = _decode(line)
+        if not isinstance(row, dict):
+            return None
+        return msgspec.convert({k: v for k, v in row.items() if v is not None}, Record)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """Every record of a requests.jsonl ([] when there is none)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [r for line in p.read_bytes().splitlines() if line.strip() and (r := record_of(line)) is not None]
 
 
 def chat_body(req: WorkloadRequest, model: str, seed: int) -> dict[str, Any]:

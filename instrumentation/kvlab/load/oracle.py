@@ -30,6 +30,7 @@ from typing import Any
 
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
+from kvlab.load.measure import Record
 from kvlab.load.workloads import Workload, WorkloadRequest
 
 _NEVER = float("inf")
@@ -104,13 +105,13 @@ def oracle(requests: Iterable[WorkloadRequest], block_size: int, replicas: int, 
     return ceiling(prompts(requests, block_size, tokenizer), block_size, cap)
 
 
-def replayed(workload: Workload[Any], records: Sequence[dict[str, Any]]) -> list[WorkloadRequest]:
+def replayed(workload: Workload[Any], records: Sequence[Record]) -> list[WorkloadRequest]:
     """The requests a load run sent, in the order they were sent, rebuilt from the workload's seeded
     stream and the `session`/`step` each record carries (the successful ones: the hit rate's base)."""
-    done = sorted((r for r in records if not r.get("error") and r.get("session") is not None),
-                  key=lambda r: r["ts"])
+    done = sorted(((r.ts, r.session, r.step) for r in records if not r.error and r.session is not None),
+                  key=lambda sent: sent[0])
     if not done:
         return []
-    needed = max(r["session"] for r in done) + 1
+    needed = max(session for _, session, _ in done) + 1
     sessions = list(itertools.islice(workload.sessions(), needed))
-    return [sessions[r["session"]][r["step"]] for r in done]
+    return [sessions[session][step] for _, session, step in done]

@@ -9,32 +9,32 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
+from kvlab.load.measure import Record, record_of
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import summarize
+from kvlab.load.summary import Summary, summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
 RAMP_SHAPE = Path(__file__).with_name("ramp_shape.py")
 
-Progress = Callable[[float, list[dict[str, Any]]], None]
+Progress = Callable[[float, list[Record]], None]
 
 
 class JsonlTail:
-    """Reads the complete lines appended to a JSONL file since the last call."""
+    """Reads the records appended to a requests.jsonl since the last call (complete lines only)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.records: list[dict[str, Any]] = []
+        self.records: list[Record] = []
         self._pos = 0
         self._partial = b""
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[Record]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._pos)
@@ -45,8 +45,8 @@ class JsonlTail:
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
         for line in lines:
-            if line.strip():
-                self.records.append(json.loads(line))
+            if line.strip() and (record := record_of(line)) is not None:
+                self.records.append(record)
         return self.records
 
 
@@ -67,23 +67,23 @@ def locust_argv(target: str, out_dir: Path, spec: BenchSpec, run_time_s: float, 
             "--requests-out", str(out_dir / "requests.jsonl")]
 
 
-def slow_part(records: list[dict[str, Any]], elapsed_s: float) -> str:
+def slow_part(records: list[Record], elapsed_s: float) -> str:
     """Which part of serving kept a phase from completing requests, from the requests that did."""
-    ok = [r for r in records if not r.get("error")]
+    ok = [r for r in records if not r.error]
     if not ok:
-        errors = [r for r in records if r.get("error")]
-        return (f"every request failed ({errors[0]['error']})" if errors else
+        errors = [r for r in records if r.error]
+        return (f"every request failed ({errors[0].error})" if errors else
                 f"no request finished in {elapsed_s:.0f} s: the engine's prefill and generation are too "
                 "slow here (its log shows prompt and generation throughput)")
-    ttft = float(np.median([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None] or [0.0]))
-    decode = float(np.median([r["e2e_ms"] - (r.get("ttft_ms") or 0.0) for r in ok]))
+    ttft = float(np.median([r.ttft_ms for r in ok if r.ttft_ms is not None] or [0.0]))
+    decode = float(np.median([r.e2e_ms - (r.ttft_ms or 0.0) for r in ok]))
     part = "prefill (time to first token)" if ttft >= decode else "generation (tokens after the first)"
     return (f"the engine's {part} is the slow part: TTFT p50 {ttft / 1000:.1f} s, "
             f"rest of a reply p50 {decode / 1000:.1f} s")
 
 
 def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str = "", policy: str = "",
-              otlp_endpoint: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+              otlp_endpoint: str | None = None, progress: Progress | None = None) -> Summary:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
     locust.log. With `spec.ramp`, users follow it (`users`/`duration_s` are then taken from it).
 
@@ -116,7 +116,7 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
                 if progress:
                     progress(elapsed, records)
                 if min_requests and elapsed >= duration_s and (
-                        elapsed >= limit_s or sum(1 for r in records if not r.get("error")) >= min_requests):
+                        elapsed >= limit_s or sum(1 for r in records if not r.error) >= min_requests):
                     break
                 time.sleep(0.25)
         finally:
@@ -127,14 +127,13 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     if proc.returncode != 0 and not records:
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
-    summary = summarize(records) | {
-        "phase": phase, "policy": policy, "target": target, "users": users, "seed": spec.seed,
-        "workload": spec.workload, "workload_params": spec.params, "configured_duration_s": duration_s,
-        "min_requests": min_requests, "limit_s": limit_s if min_requests else None,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if min_requests and summary["ok"] < min_requests:
-        raise StackError(f"phase {phase or policy or '?'} completed {summary['ok']} of the {min_requests} requests "
+    summary = msgspec.structs.replace(
+        summarize(records), phase=phase, policy=policy, target=target, users=users, seed=spec.seed,
+        workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
+        min_requests=min_requests, limit_s=limit_s if min_requests else None)
+    (out / "summary.json").write_text(summary.to_json())
+    if min_requests and summary.ok < min_requests:
+        raise StackError(f"phase {phase or policy or '?'} completed {summary.ok} of the {min_requests} requests "
                          f"it needs within its {limit_s:.0f}-s limit: "
                          f"{slow_part(records, time.monotonic() - start)}")
     return summary

@@ -1,45 +1,117 @@
-"""From per-request records (requests.jsonl) to summary.json; the schema is documented in docs/lab.md."""
+"""From per-request records (requests.jsonl) to summary.json; the schema is documented in docs/lab.md.
+
+`Summary` is what summary.json holds, typed; every field has a default so summaries written by
+older versions (without `itl_max_ms`, `speculative`, ...) still read back.
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
+
+from kvlab.load.measure import Record
 
 SCHEMA_VERSION = 1
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of `path` (a line cut short by a killed writer is skipped)."""
-    out: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+class Percentiles(msgspec.Struct, kw_only=True):
+    """p50/p95/p99 and mean of one latency in ms (None: no request measured it)."""
+
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    mean: float | None = None
 
 
-def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
+class ShortPercentiles(msgspec.Struct, kw_only=True):
+    """p50/p95 and mean (TPOT: summary.json has never carried its p99)."""
+
+    p50: float | None = None
+    p95: float | None = None
+    mean: float | None = None
+
+
+class HitRate(msgspec.Struct, kw_only=True):
+    """Fractions of prompt tokens: longest cached anywhere, on the chosen replica (of which
+    speculative), and what the engine delivered (None: no request reported it)."""
+
+    available: float | None = None
+    predicted: float | None = None
+    speculative: float | None = None
+    delivered: float | None = None
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """One phase's summary.json (`summarize` fills the statistics, `run_bench` how it was run)."""
+
+    schema: int = SCHEMA_VERSION
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    duration_s: float = 0.0
+    rps: float = 0.0
+    output_tok_s: float = 0.0
+    ttft_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    itl_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    itl_max_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    token_itl_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    tpot_ms: ShortPercentiles = msgspec.field(default_factory=ShortPercentiles)
+    e2e_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    hit_rate: HitRate = msgspec.field(default_factory=HitRate)
+    replicas: dict[str, int] = msgspec.field(default_factory=dict)
+    # how it was run (run_bench; None in a summary that only summarize() made, or an older file)
+    phase: str | None = None
+    policy: str | None = None
+    target: str | None = None
+    users: int | None = None
+    seed: int | None = None
+    workload: str | None = None
+    workload_params: dict[str, Any] | None = None
+    configured_duration_s: float | None = None
+    min_requests: int | None = None
+    limit_s: float | None = None
+
+    def to_json(self) -> str:
+        """summary.json's text (indented, like every JSON file of a run)."""
+        return json.dumps(msgspec.to_builtins(self), indent=2) + "\n"
+
+
+def read_summary(path: str | Path) -> Summary:
+    """A phase's summary.json."""
+    return msgspec.json.decode(Path(path).read_bytes(), type=Summary)
+
+
+def _round(value: np.floating[Any]) -> float:
+    return round(float(value), 3)
+
+
+def _pcts(values: list[float]) -> Percentiles:
     if not values:
-        return {**dict.fromkeys((f"p{q}" for q in qs), None), "mean": None}
+        return Percentiles()
     arr = np.asarray(values, dtype=float)
-    out: dict[str, float | None] = {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in qs}
-    out["mean"] = round(float(arr.mean()), 3)
-    return out
+    p50, p95, p99 = np.percentile(arr, (50, 95, 99))
+    return Percentiles(p50=_round(p50), p95=_round(p95), p99=_round(p99), mean=_round(arr.mean()))
+
+
+def _short_pcts(values: list[float]) -> ShortPercentiles:
+    full = _pcts(values)
+    return ShortPercentiles(p50=full.p50, p95=full.p95, mean=full.mean)
 
 
 def _fraction(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: Sequence[Record]) -> Summary:
     """Latency percentiles, throughput, hit-rate decomposition and routing spread of one run.
 
     Rates use the measured window (first request sent to last one finished); hit rates are token
@@ -50,36 +122,36 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     request's worst gap (decode stalls), `token_itl_ms` over every gap of every request (vLLM's
     benchmark definition of ITL percentiles).
     """
-    ok = [r for r in records if not r.get("error")]
-    errors = [r for r in records if r.get("error")]
+    ok = [r for r in records if not r.error]
+    errors = [r for r in records if r.error]
     window = 0.0
     if records:
-        start = min(r["ts"] for r in records)
-        end = max(r["ts"] + r.get("e2e_ms", 0.0) / 1000 for r in records)
+        start = min(r.ts for r in records)
+        end = max(r.ts + r.e2e_ms / 1000 for r in records)
         window = max(end - start, 1e-9)
-    out_tokens = sum(r.get("output_tokens") or 0 for r in ok)
-    hit: dict[str, float | None] = {}
-    for kind, key in (("available", "available_tokens"), ("predicted", "predicted_tokens"),
-                      ("speculative", "speculative_tokens"), ("delivered", "cached_tokens")):
-        rows = [r for r in ok if r.get(key) is not None and r.get("prompt_tokens")]
-        hit[kind] = _fraction(sum(r[key] for r in rows), sum(r["prompt_tokens"] for r in rows))
-    return {
-        "schema": SCHEMA_VERSION,
-        "requests": len(records),
-        "ok": len(ok),
-        "errors": len(errors),
-        "first_error": errors[0]["error"] if errors else None,
-        "duration_s": round(window, 3),
-        "rps": round(len(ok) / window, 3) if window else 0.0,
-        "output_tok_s": round(out_tokens / window, 3) if window else 0.0,
-        "ttft_ms": _pcts([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None], (50, 95, 99)),
-        "itl_ms": _pcts([r["itl_ms"] for r in ok if r.get("itl_ms") is not None], (50, 95, 99)),
-        "itl_max_ms": _pcts([r["itl_max_ms"] for r in ok if r.get("itl_max_ms") is not None], (50, 95, 99)),
-        "token_itl_ms": _pcts([g for r in ok for g in r.get("itl_gaps_ms") or ()], (50, 95, 99)),
-        "tpot_ms": _pcts([r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None], (50, 95)),
-        "e2e_ms": _pcts([r["e2e_ms"] for r in ok], (50, 95, 99)),
-        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
-        "output_tokens": out_tokens,
-        "hit_rate": hit,
-        "replicas": dict(sorted(Counter(r.get("replica") or "?" for r in ok).items())),
-    }
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def hit(tokens: Callable[[Record], int | None]) -> float | None:
+        rows = [(n, r.prompt_tokens) for r in ok if (n := tokens(r)) is not None and r.prompt_tokens]
+        return _fraction(sum(n for n, _ in rows), sum(p or 0 for _, p in rows))
+
+    return Summary(
+        requests=len(records),
+        ok=len(ok),
+        errors=len(errors),
+        first_error=errors[0].error if errors else None,
+        duration_s=round(window, 3),
+        rps=round(len(ok) / window, 3) if window else 0.0,
+        output_tok_s=round(out_tokens / window, 3) if window else 0.0,
+        ttft_ms=_pcts([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        itl_ms=_pcts([r.itl_ms for r in ok if r.itl_ms is not None]),
+        itl_max_ms=_pcts([r.itl_max_ms for r in ok if r.itl_max_ms is not None]),
+        token_itl_ms=_pcts([g for r in ok for g in r.itl_gaps_ms or ()]),
+        tpot_ms=_short_pcts([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        e2e_ms=_pcts([r.e2e_ms for r in ok]),
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        output_tokens=out_tokens,
+        hit_rate=HitRate(available=hit(lambda r: r.available_tokens), predicted=hit(lambda r: r.predicted_tokens),
+                         speculative=hit(lambda r: r.speculative_tokens), delivered=hit(lambda r: r.cached_tokens)),
+        replicas=dict(sorted(Counter(r.replica or "?" for r in ok).items())),
+    )

@@ -9,6 +9,7 @@ Times are aligned at the phase's first request, like the other figures.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,17 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from kvlab.load.measure import Record
+from kvlab.run.phases import PhaseResult
+
 FIGURE_ID = "kvlab-autoscale"
 BIN_S = 2.0
 
 
-def figure(data: dict[str, Any], records: list[dict[str, Any]]) -> go.Figure:
+def figure(data: dict[str, Any], records: list[Record]) -> go.Figure:
     """Three rows sharing x: users and completed req/s; desired vs running replicas with the scale
     actions marked; every request's TTFT with its 2-second median."""
-    t0 = min([r["ts"] for r in records] or [s["t"] for s in data["samples"]] or [0.0])
+    t0 = min([r.ts for r in records] or [s["t"] for s in data["samples"]] or [0.0])
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=("Load", "Replicas: desired (gateway) vs running (scaler)",
                                         "TTFT of every request"))
@@ -31,9 +35,9 @@ def figure(data: dict[str, Any], records: list[dict[str, Any]]) -> go.Figure:
     if users:
         fig.add_trace(go.Scatter(x=[t for t, _ in users], y=[u for _, u in users], name="Locust users",
                                  mode="lines", line=dict(color="#7f7f7f", width=2, shape="hv")), row=1, col=1)
-    ok = [r for r in records if not r.get("error") and r.get("ttft_ms") is not None]
+    ok = [r for r in records if not r.error and r.ttft_ms is not None]
     if ok:
-        ends = np.array([r["ts"] + r["e2e_ms"] / 1000 - t0 for r in ok])
+        ends = np.array([r.ts + r.e2e_ms / 1000 - t0 for r in ok])
         edges = np.arange(0, ends.max() + BIN_S, BIN_S)
         counts, _ = np.histogram(ends, bins=edges)
         fig.add_trace(go.Scatter(x=edges[:-1] + BIN_S / 2, y=counts / BIN_S, name="completed req/s",
@@ -56,12 +60,12 @@ def figure(data: dict[str, Any], records: list[dict[str, Any]]) -> go.Figure:
             hovertext=[f"{a['replica']}: {a['reason']}, {a['ready_ms']:.0f} ms" for a in actions],
             hoverinfo="text"), row=2, col=1)
     if ok:
-        fig.add_trace(go.Scattergl(x=[r["ts"] - t0 for r in ok], y=[r["ttft_ms"] for r in ok], mode="markers",
+        fig.add_trace(go.Scattergl(x=[r.ts - t0 for r in ok], y=[r.ttft_ms for r in ok], mode="markers",
                                    name="TTFT", marker=dict(color="#9467bd", size=4, opacity=0.5),
-                                   text=[str(r.get("replica")) for r in ok],
+                                   text=[str(r.replica) for r in ok],
                                    hovertemplate="%{text}<br>TTFT %{y:.0f} ms<extra></extra>"), row=3, col=1)
-        sent = np.array([r["ts"] - t0 for r in ok])
-        ttft = np.array([r["ttft_ms"] for r in ok])
+        sent = np.array([r.ts - t0 for r in ok])
+        ttft = np.array([r.ttft_ms for r in ok])
         bins = np.floor(sent / BIN_S).astype(int)
         mids = sorted(set(bins.tolist()))
         fig.add_trace(go.Scatter(x=[(b + 0.5) * BIN_S for b in mids],
@@ -78,18 +82,18 @@ def figure(data: dict[str, Any], records: list[dict[str, Any]]) -> go.Figure:
     return fig
 
 
-def section(phases: dict[str, dict[str, Any]], config: dict[str, Any] | None = None) -> str:
+def section(phases: Mapping[str, PhaseResult], config: dict[str, Any] | None = None) -> str:
     """HTML for every phase with autoscaling data (empty string when there is none)."""
     parts = []
     for phase, v in phases.items():
-        data = v.get("autoscale")
+        data = v.autoscale
         if not data:
             continue
         s = data.get("settings", {})
         rows = "".join(f"<tr><td>{a['direction']}</td><td>{html.escape(a['replica'])}</td><td>{a['to']}</td>"
                        f"<td>{html.escape(a['reason'])}</td><td>{a['ready_ms']:.0f}</td></tr>"
                        for a in data.get("actions", []))
-        div = pio.to_html(figure(data, v["records"]), include_plotlyjs=False, full_html=False, config=config,
+        div = pio.to_html(figure(data, v.records), include_plotlyjs=False, full_html=False, config=config,
                           div_id=FIGURE_ID)
         parts.append(
             f"<h2>Autoscaling under a load ramp ({html.escape(phase)})</h2>"

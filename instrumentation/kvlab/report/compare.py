@@ -12,6 +12,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.results import COLUMNS, Row, cells
+from kvlab.load.measure import Record
 from kvlab.report import figures
 from kvlab.report.html import CSS, PLOT_CONFIG
 
@@ -72,7 +73,7 @@ from its cache; <i>oracle</i>: the most any router could get for the same reques
 counted by the replica. docs/compare.md explains every column.</p>"""
 
 
-def render(document: dict[str, Any], records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]) -> str:
     """document: compare.json; records: {workload: {router: requests.jsonl records}}."""
     meta = " · ".join(html.escape(f"{k}: {document[k]}") for k in ("id", "engine", "replicas", "users", "duration_s",
                                                                     "seed") if k in document)
@@ -97,6 +98,6 @@ def render(document: dict[str, Any], records: dict[str, dict[str, list[dict[str,
 """
 
 
-def write_compare(path: Path, document: dict[str, Any], records: dict[str, dict[str, list[dict[str, Any]]]]) -> Path:
+def write_compare(path: Path, document: dict[str, Any], records: dict[str, dict[str, list[Record]]]) -> Path:
     path.write_text(render(document, records), encoding="utf-8")
     return path

@@ -4,39 +4,43 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from kvlab.load.table import ROWS, metric_value
+from kvlab.load.summary import Summary
+from kvlab.load.table import ROWS
 from kvlab.report import figures
 from kvlab.report.autoscale import section as autoscale_section
 from kvlab.report.pd import section as pd_section
+from kvlab.run.phases import PhaseResult
 from kvlab.traces.mechanism import section as mechanism_section
 
 PLOT_CONFIG = {"displaylogo": False}
 
 
-def _table(summaries: dict[str, dict[str, Any]]) -> str:
+def _table(summaries: Mapping[str, Summary]) -> str:
     head = "".join(f"<th>{html.escape(p)}</th>" for p in summaries)
     rows = []
-    for label, path, fmt, _ in ROWS:
-        cells = "".join(f"<td>{fmt.format(v) if (v := metric_value(s, path)) is not None else 'n/a'}</td>"
+    for label, metric, fmt, _ in ROWS:
+        cells = "".join(f"<td>{fmt.format(v) if (v := metric(s)) is not None else 'n/a'}</td>"
                         for s in summaries.values())
         rows.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
     return f"<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def headline(summaries: dict[str, dict[str, Any]]) -> str:
+def headline(summaries: Mapping[str, Summary]) -> str:
     """One sentence comparing the first and last phase (TTFT p50, delivered hit rate, throughput)."""
     if len(summaries) < 2:
         return ""
     (p1, a), (p2, b) = list(summaries.items())[0], list(summaries.items())[-1]
-    t1, t2 = metric_value(a, ("ttft_ms", "p50")), metric_value(b, ("ttft_ms", "p50"))
-    d1, d2 = metric_value(a, ("hit_rate", "delivered")), metric_value(b, ("hit_rate", "delivered"))
-    r1, r2 = a.get("rps") or 0, b.get("rps") or 0
+    t1, t2 = a.ttft_ms.p50, b.ttft_ms.p50
+    d1, d2 = a.hit_rate.delivered, b.hit_rate.delivered
+    r1, r2 = a.rps, b.rps
     parts = []
     if t1 and t2:
         parts.append(f"TTFT p50 {t1:.0f} ms → {t2:.0f} ms ({t1 / t2:.1f}× lower)")
@@ -70,23 +74,23 @@ directory (<code>kvlab traces explain</code>).</p>
 """
 
 
-def title(phases: dict[str, dict[str, Any]]) -> str:
+def title(phases: Mapping[str, PhaseResult]) -> str:
     """The report's heading: the phases it compares, e.g. "kvlab: round-robin vs kv-aware"."""
-    ramp = " under a load ramp, autoscaled" if any(v.get("autoscale") for v in phases.values()) else ""
+    ramp = " under a load ramp, autoscaled" if any(v.autoscale for v in phases.values()) else ""
     return f"kvlab: {' vs '.join(phases)}{ramp}"
 
 
-def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any], run_dir: Path | None = None) -> str:
-    """phases: {name: {"summary": {...}, "records": [...]}} in run order; meta: run id, workload, ...;
+def render(phases: Mapping[str, PhaseResult], meta: dict[str, Any], run_dir: Path | None = None) -> str:
+    """phases: {name: its result} in run order; meta: run id, workload, ...;
     run_dir: the run's files (traces, summary.json) for the mechanism section, if any."""
-    summaries = {p: v["summary"] for p, v in phases.items()}
-    records = {p: v["records"] for p, v in phases.items()}
+    summaries = {p: v.summary for p, v in phases.items()}
+    records = {p: v.records for p, v in phases.items()}
     figs = [figures.ttft_cdf(records), figures.hit_rates(summaries), figures.throughput(records),
             figures.requests_per_replica(records)]
     divs = [pio.to_html(f, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG) for f in figs]
     wide = pio.to_html(figures.ttft_by_replica_over_time(records), include_plotlyjs=False, full_html=False,
                        config=PLOT_CONFIG)
-    summary_json = json.dumps(summaries).replace("</", "<\\/")  # safe inside <script>
+    summary_json = json.dumps(msgspec.to_builtins(summaries)).replace("</", "<\\/")  # safe inside <script>
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>kvlab report {html.escape(str(meta.get('run', '')))}</title>
@@ -108,7 +112,7 @@ def render(phases: dict[str, dict[str, Any]], meta: dict[str, Any], run_dir: Pat
 """
 
 
-def write_report(path: str | Path, phases: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Path:
+def write_report(path: str | Path, phases: Mapping[str, PhaseResult], meta: dict[str, Any]) -> Path:
     """Write the report to `path` and return it."""
     out = Path(path)
     out.write_text(render(phases, meta, out.parent), encoding="utf-8")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import html
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from kvlab.load.measure import Record
 from kvlab.report.figures import COLORS, Records, _layout
 
 
@@ -23,23 +25,23 @@ def _p(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q):.0f}" if values else "–"
 
 
-def _kind(r: dict[str, Any]) -> str:
-    return "long uncached" if r.get("group") == "long" else "shared prefix"
+def _kind(r: Record) -> str:
+    return "long uncached" if r.group == "long" else "shared prefix"
 
 
-def _values(rs: list[dict[str, Any]], key: str) -> list[float]:
-    return [r[key] for r in rs if r.get(key) is not None]
+def _values(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
 
 
-def worst_gap_cdf(phases: dict[str, Records]) -> go.Figure:
+def worst_gap_cdf(phases: Mapping[str, Records]) -> go.Figure:
     """Per phase, the cumulative distribution of each request's worst gap between two tokens
     (solid: every request; dotted: the shared-prefix requests, which never need a split)."""
     fig = go.Figure()
     for i, (phase, records) in enumerate(phases.items()):
-        ok = [r for r in records if not r.get("error") and r.get("itl_max_ms") is not None]
+        ok = [r for r in records if not r.error and r.itl_max_ms is not None]
         for subset, dash, label in ((ok, "solid", phase),
                                     ([r for r in ok if _kind(r) == "shared prefix"], "dot", f"{phase}, shared prefix")):
-            values = np.sort([r["itl_max_ms"] for r in subset])
+            values = np.sort(_values(r.itl_max_ms for r in subset))
             if not len(values):
                 continue
             y = np.arange(1, len(values) + 1) / len(values)
@@ -52,20 +54,21 @@ def worst_gap_cdf(phases: dict[str, Records]) -> go.Figure:
     return _layout(fig, "Decode stalls: CDF of each request's worst inter-token gap (left is smoother)")
 
 
-def section(records: dict[str, list[dict[str, Any]]], plot_config: dict[str, Any] | None = None) -> str:
+def section(records: Mapping[str, Records], plot_config: dict[str, Any] | None = None) -> str:
     """HTML table and figure (empty string when no phase made P/D decisions)."""
-    if not any(r.get("pd") for recs in records.values() for r in recs):
+    if not any(r.pd for recs in records.values() for r in recs):
         return ""
     rows = []
     for phase, recs in records.items():
-        groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        groups: dict[tuple[str, str], list[Record]] = defaultdict(list)
         for r in recs:
-            if not r.get("error"):
-                groups[(_kind(r), r.get("pd") or "off")].append(r)
+            if not r.error:
+                groups[(_kind(r), r.pd or "off")].append(r)
         for (kind, pd), rs in sorted(groups.items()):
-            ttft, itl, worst = _values(rs, "ttft_ms"), _values(rs, "itl_ms"), _values(rs, "itl_max_ms")
-            gaps = [g for r in rs for g in r.get("itl_gaps_ms") or ()]
-            e2e = [r["e2e_ms"] for r in rs]
+            ttft, itl = _values(r.ttft_ms for r in rs), _values(r.itl_ms for r in rs)
+            worst = _values(r.itl_max_ms for r in rs)
+            gaps = [g for r in rs for g in r.itl_gaps_ms or ()]
+            e2e = [r.e2e_ms for r in rs]
             rows.append(f"<tr><td>{html.escape(phase)}</td><td>{kind}</td><td>{pd}</td><td>{len(rs)}</td>"
                         f"<td>{_p(ttft, 50)}</td><td>{_p(ttft, 95)}</td><td>{_p(itl, 50)}</td>"
                         f"<td>{_p(gaps, 99)}</td><td>{_p(worst, 50)}</td><td>{_p(worst, 95)}</td>"

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 
-from kvlab.load.table import metric_value, summary_table
+from kvlab.load.summary import Summary
+from kvlab.load.table import summary_table
 from kvlab.report import write_report
 from kvlab.report.html import headline
 from kvlab.run.phases import PhaseResult
 from kvlab.stack.state import write_json
 
 
-def comparison(summaries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+class RunPhases(msgspec.Struct):
+    """The phases of runs/<id>/summary.json (the rest of that document is the scenario's own)."""
+
+    phases: dict[str, Summary] = msgspec.field(default_factory=dict)
+
+
+def read_phases(run_dir: Path) -> dict[str, Summary]:
+    """Each phase's summary from runs/<id>/summary.json, in run order."""
+    return msgspec.json.decode((run_dir / "summary.json").read_bytes(), type=RunPhases).phases
+
+
+def comparison(summaries: Mapping[str, Summary]) -> dict[str, float | None]:
     """Ratios of the last phase against the first (what the lab's checks and headline use)."""
     values = list(summaries.values())
     first, last = values[0], values[-1]
@@ -23,26 +37,21 @@ def comparison(summaries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         return round(a / b, 3) if a is not None and b else None
 
     return {
-        "ttft_p50_speedup": ratio(metric_value(first, ("ttft_ms", "p50")), metric_value(last, ("ttft_ms", "p50"))),
-        "ttft_p95_speedup": ratio(metric_value(first, ("ttft_ms", "p95")), metric_value(last, ("ttft_ms", "p95"))),
-        "delivered_hit_rate_gain": ratio(metric_value(last, ("hit_rate", "delivered")),
-                                         metric_value(first, ("hit_rate", "delivered"))),
-        "throughput_gain": ratio(last.get("rps"), first.get("rps")),
-        "output_tok_s_gain": ratio(last.get("output_tok_s"), first.get("output_tok_s")),
+        "ttft_p50_speedup": ratio(first.ttft_ms.p50, last.ttft_ms.p50),
+        "ttft_p95_speedup": ratio(first.ttft_ms.p95, last.ttft_ms.p95),
+        "delivered_hit_rate_gain": ratio(last.hit_rate.delivered, first.hit_rate.delivered),
+        "throughput_gain": ratio(last.rps, first.rps),
+        "output_tok_s_gain": ratio(last.output_tok_s, first.output_tok_s),
     }
-
-
-def report_phases(results: list[PhaseResult]) -> dict[str, dict[str, Any]]:
-    """{phase name: {"summary", "records"}} in run order: what kvlab.report takes."""
-    return {r.phase.name: {"summary": r.summary, "records": r.records} for r in results}
 
 
 def finish(console: Console, run_dir: Path, results: list[PhaseResult], document: dict[str, Any],
            meta: dict[str, Any], traces: str) -> None:
     """runs/<id>/summary.json (`document` + phases + comparison) and report.html; prints the table."""
-    phases = report_phases(results)
-    summaries = {p: v["summary"] for p, v in phases.items()}
-    write_json(run_dir / "summary.json", {**document, "phases": summaries, "comparison": comparison(summaries)})
+    phases = {r.phase.name: r for r in results}
+    summaries = {p: v.summary for p, v in phases.items()}
+    write_json(run_dir / "summary.json", {**document, "phases": msgspec.to_builtins(summaries),
+                                          "comparison": comparison(summaries)})
     report = write_report(run_dir / "report.html", phases, meta)
     console.print(summary_table(summaries, title="before → after"))
     console.print(f"[bold]{headline(summaries)}[/bold]")

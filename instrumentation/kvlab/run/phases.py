@@ -18,10 +18,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvlab.load.measure import Record, read_records
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.runner import run_bench
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import read_jsonl
+from kvlab.load.summary import Summary
 from kvlab.stack.base import Stack
 
 
@@ -40,9 +41,10 @@ class PhaseResult(msgspec.Struct, kw_only=True):
 
     phase: Phase
     dir: Path
-    summary: dict[str, Any]
-    records: list[dict[str, Any]]
+    summary: Summary
+    records: list[Record]
     resets: dict[str, str | None] = msgspec.field(default_factory=dict)   # replica -> why a reset failed
+    autoscale: dict[str, Any] | None = None   # the autoscale scenario's timeline (report/autoscale.py)
 
 
 class Display(Protocol):
@@ -53,10 +55,10 @@ class Display(Protocol):
     def end(self) -> None: ...
 
 
-def live_line(records: list[dict[str, Any]]) -> str:
+def live_line(records: list[Record]) -> str:
     """Requests so far, TTFT p50 and errors: the live part of a progress line."""
-    ok = [r["ttft_ms"] for r in records if not r.get("error") and r.get("ttft_ms") is not None]
-    errors = sum(1 for r in records if r.get("error"))
+    ok = [r.ttft_ms for r in records if not r.error and r.ttft_ms is not None]
+    errors = sum(1 for r in records if r.error)
     p50 = f"{np.percentile(ok, 50):.0f} ms" if ok else "–"
     return f"{len(records)} requests, TTFT p50 {p50}, {errors} errors"
 
@@ -64,7 +66,7 @@ def live_line(records: list[dict[str, Any]]) -> str:
 class RichDisplay:
     """A rich progress bar per phase in the terminal; `live` renders the text beside it."""
 
-    def __init__(self, console: Console, waiting: str = "", live: Callable[[float, list[dict[str, Any]]], str]
+    def __init__(self, console: Console, waiting: str = "", live: Callable[[float, list[Record]], str]
                  | None = None) -> None:
         self.waiting = waiting
         self.live = live or (lambda _elapsed, records: live_line(records))
@@ -81,7 +83,7 @@ class RichDisplay:
     def begin(self, number: int, phase: Phase, total_s: float) -> Watch:
         task = self.progress.add_task(f"phase {number}: {phase.name}", total=total_s, live=self.waiting)
 
-        def update(elapsed: float, records: list[dict[str, Any]]) -> None:
+        def update(elapsed: float, records: list[Record]) -> None:
             self.progress.update(task, completed=min(elapsed, total_s), live=self.live(elapsed, records))
 
         return update
@@ -105,5 +107,5 @@ def run_phases(stack: Stack, spec: BenchSpec, phases: list[Phase], run_dir: Path
                             otlp_endpoint=stack.otlp_endpoint, progress=watch)
         display.end()
         out.append(PhaseResult(phase=phase, dir=phase_dir, summary=summary,
-                               records=read_jsonl(phase_dir / "requests.jsonl"), resets=resets))
+                               records=read_records(phase_dir / "requests.jsonl"), resets=resets))
     return out

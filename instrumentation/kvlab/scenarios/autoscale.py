@@ -26,6 +26,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvlab.load.measure import Record
 from kvlab.load.ramp import Ramp, up_hold_down
 from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
@@ -93,7 +94,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize_autoscale(samples: list[dict[str, Any]], actions: list[dict[str, Any]],
-                        records: list[dict[str, Any]], ramp: Ramp) -> dict[str, Any]:
+                        records: list[Record], ramp: Ramp) -> dict[str, Any]:
     """What the run shows: the recommendation's path, the actions, TTFT by running replicas and
     at peak load (requests sent while the ramp was at its peak; time 0 = the first request)."""
     desired = [s["desired"] for s in samples]
@@ -101,14 +102,14 @@ def summarize_autoscale(samples: list[dict[str, Any]], actions: list[dict[str, A
     peak_i = desired.index(peak) if desired else 0
     times = [s["t"] for s in samples]
     by_running: dict[int, list[float]] = {}
-    for r in records:
-        if r.get("error") or r.get("ttft_ms") is None or not times:
-            continue
-        i = int(np.searchsorted(times, r["ts"], side="right")) - 1
-        by_running.setdefault(samples[max(i, 0)]["running"], []).append(r["ttft_ms"])
-    t0 = min((r["ts"] for r in records), default=0.0)
-    loaded = [r["ttft_ms"] for r in records if not r.get("error") and r.get("ttft_ms") is not None
-               and ramp.users_at(r["ts"] - t0) == ramp.peak]
+    measured = [(r.ts, r.ttft_ms) for r in records if not r.error and r.ttft_ms is not None]
+    for ts, ttft in measured:
+        if not times:
+            break
+        i = int(np.searchsorted(times, ts, side="right")) - 1
+        by_running.setdefault(samples[max(i, 0)]["running"], []).append(ttft)
+    t0 = min((r.ts for r in records), default=0.0)
+    loaded = [ttft for ts, ttft in measured if ramp.users_at(ts - t0) == ramp.peak]
     return {
         "desired_first": desired[0] if desired else None,
         "desired_peak": peak,
@@ -159,7 +160,7 @@ def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy:
         timeline = Timeline(stack.gateway_url, scaler.current).start()
         console.print(f"[green]✓[/green] up in {time.monotonic() - started:.0f} s; logs in {stack.logs}")
 
-        def live(elapsed: float, records: list[dict[str, Any]]) -> str:
+        def live(elapsed: float, records: list[Record]) -> str:
             s = timeline.last
             return (f"users {ramp.users_at(elapsed) or 0:>2} · desired {s.get('desired', '–')} "
                     f"({s.get('reason', '')}) · running {s.get('running', '–')} · {len(records)} requests")
@@ -187,17 +188,16 @@ def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy:
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
         "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
         "duration_s": ramp.duration_s, "quick": quick,
-        "policies": [policy], "phases": {policy: summary}, "autoscale": result,
+        "policies": [policy], "phases": {policy: msgspec.to_builtins(summary)}, "autoscale": result,
         "wall_s": round(time.monotonic() - started, 1),
     }
     write_json(run_dir / "summary.json", document)
     meta = {"run": run_dir.name, "scenario": "autoscaling under a load ramp", "engine": topology.engine,
             "replicas at start": topology.total_replicas, "workload": spec.workload, "seed": spec.seed,
             "peak users": ramp.peak, "seconds": ramp.duration_s}
-    phases = {policy: {"summary": summary, "records": records, "autoscale": data}}
-    report = write_report(run_dir / "report.html", phases, meta)
+    report = write_report(run_dir / "report.html", {policy: msgspec.structs.replace(ran, autoscale=data)}, meta)
     console.print(summary_table({policy: summary}, title="the run"))
-    t0 = min((r["ts"] for r in records), default=time.time())
+    t0 = min((r.ts for r in records), default=time.time())
     console.print(_actions_table(actions, t0))
     peak = result["ttft_at_peak_users"]
     ttft = " · ".join([f"at peak load: TTFT p50 {peak['p50']} ms, p95 {peak['p95']} ms ({peak['requests']} req)"]

@@ -20,14 +20,16 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
@@ -61,17 +63,22 @@ def pack(span: ReadableSpan) -> _Packed:
             scope.name if scope else "", scope.version if scope else None)
 
 
-def unpack(p: Sequence[Any], resource: Resource) -> ReadableSpan:
+def unpack(p: Sequence[Any], resource: Resource, limits: SpanLimits) -> ReadableSpan:
+    """The span again, with the SDK's attribute cleaning and OTEL_*_LIMIT limits applied here
+    (in the child) rather than in the serving process."""
     (name, trace_id, span_id, flags, parent_id, parent_remote, kind, start, end, attrs,
      events, links, code, description, scope_name, scope_version) = p
     trace_id = int.from_bytes(trace_id, "big")
+    length = limits.max_attribute_length
     return ReadableSpan(
         name=name, context=SpanContext(trace_id, span_id, False, TraceFlags(flags)),
         parent=SpanContext(trace_id, parent_id, parent_remote, TraceFlags(flags)) if parent_id else None,
-        resource=resource, attributes=attrs,
-        events=[Event(n, a, timestamp=t) for n, t, a in events],
-        links=[Link(SpanContext(int.from_bytes(t, "big"), s, remote, TraceFlags(f)), a)
-               for t, s, f, remote, a in links],
+        resource=resource, attributes=BoundedAttributes(limits.max_span_attributes, attrs, max_value_len=length),
+        events=[Event(n, BoundedAttributes(limits.max_event_attributes, a, max_value_len=length), timestamp=t)
+                for n, t, a in deque(events, maxlen=limits.max_events)],
+        links=[Link(SpanContext(int.from_bytes(t, "big"), s, remote, TraceFlags(f)),
+                    BoundedAttributes(limits.max_link_attributes, a, max_value_len=length))
+               for t, s, f, remote, a in deque(links, maxlen=limits.max_links)],   # the last ones, as the SDK keeps
         kind=SpanKind(kind), status=Status(StatusCode(code), description),
         start_time=start, end_time=end, instrumentation_scope=InstrumentationScope(scope_name, scope_version))
 
@@ -80,9 +87,11 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
     """The exporting process: rebuild spans, hand them to the SDK's batch processors."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from kvlab.lifecycle import settle_gc
     from kvlab.telemetry.setup import build_exporter
 
     resource = Resource(resource_attrs)
+    limits = SpanLimits()
     processors = []
     for name in exporter_names:
         try:
@@ -90,6 +99,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
         except Exception as exc:  # telemetry never breaks the caller
             log.warning("trace exporter %s disabled: %s", name, exc)
     decoder = msgspec.msgpack.Decoder()
+    settle_gc()   # it allocates a ReadableSpan and more per span, as a server does per request
     while True:
         try:
             msg = conn.recv_bytes()
@@ -103,7 +113,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
             conn.send_bytes(_FLUSH)
             continue
         for packed in decoder.decode(msg):
-            span = unpack(packed, resource)
+            span = unpack(packed, resource, limits)
             for proc in processors:
                 proc.on_end(span)
     for proc in processors:
@@ -137,12 +147,17 @@ class SpanRelay(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._stopped or not span.context.trace_flags.sampled:
+        if span.context.trace_flags.sampled:
+            self.add(pack(span))
+
+    def add(self, packed: _Packed) -> None:
+        """Queue one sampled span in `pack`'s format (kvlab.telemetry.recorder's spans come here)."""
+        if self._stopped:
             return
         if len(self._pending) >= self._max_queue:
             self.dropped += 1
             return
-        self._pending.append(pack(span))
+        self._pending.append(packed)
         if len(self._pending) >= self._batch and not self._wake.is_set():
             self._wake.set()
 

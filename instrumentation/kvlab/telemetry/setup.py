@@ -31,12 +31,14 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from kvlab.telemetry.recorder import RecorderProvider
 from kvlab.telemetry.relay import SpanRelay
 
 log = logging.getLogger(__name__)
 
-_configured: TracerProvider | None = None
+_configured: TracerProvider | RecorderProvider | None = None
 EXPORT_PROCESS_ENV = "KVLAB_TRACES_EXPORT_PROCESS"
+_EXPORT_MODES = {"0": "sdk", "": "sdk", "1": "recorder", "sdk": "relay"}
 _OTLP_BY_PROTOCOL = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
 
 
@@ -74,40 +76,57 @@ def build_exporter(name: str) -> SpanExporter:
 
 
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
-                      attributes: dict[str, str] | None = None, export_process: bool = False) -> TracerProvider:
+                      attributes: dict[str, str] | None = None,
+                      export_process: bool = False) -> TracerProvider | RecorderProvider:
     """Install the global TracerProvider for this process (idempotent).
 
     `service_name` and `attributes` are defaults that `OTEL_SERVICE_NAME` and
     `OTEL_RESOURCE_ATTRIBUTES` override. `extra` adds a span processor (tests pass an in-memory
-    exporter's processor; the stack process its own OTLP exporter). `export_process` runs the
-    exporters in a child process (`kvlab.telemetry.relay`): what servers use, so that encoding
-    spans does not compete with their event loop for the GIL; `KVLAB_TRACES_EXPORT_PROCESS=0|1`
-    overrides it (0: the SDK's in-process BatchSpanProcessor).
+    exporter's processor; the stack process its own OTLP exporter). `export_process` is what
+    servers use: spans are recorded by `kvlab.telemetry.recorder` (the API without the SDK's span
+    bookkeeping) and exported by a child process (`kvlab.telemetry.relay`), so that neither
+    recording nor encoding spans competes with the event loop for the GIL.
+    `KVLAB_TRACES_EXPORT_PROCESS` overrides it: `0` the SDK's spans and in-process
+    BatchSpanProcessor, `1` recorder + relay, `sdk` the SDK's spans through the relay. An `extra`
+    processor or `OTEL_SDK_DISABLED=true` needs the SDK's spans, so they keep the SDK's provider.
     """
     global _configured
-    if _configured is None and isinstance(trace.get_tracer_provider(), TracerProvider):
+    current = trace.get_tracer_provider()
+    if _configured is None and isinstance(current, (TracerProvider, RecorderProvider)):
         # OTel allows one global provider per process: after a shutdown_tracing() in the same
         # process (tests run servers in-process), keep using it rather than failing to replace it
-        _configured = trace.get_tracer_provider()  # type: ignore[assignment]
+        _configured = current
     if _configured is not None:
         if extra is not None:
+            if not isinstance(_configured, TracerProvider):
+                raise RuntimeError("tracing is already configured with kvlab's span recorder; "
+                                   "configure the extra span processor first")
             _configured.add_span_processor(extra)
         return _configured
     resource = Resource.create({"service.name": service_name, **(attributes or {})}).merge(
         OTELResourceDetector().detect())
-    provider = TracerProvider(resource=resource)   # sampler from OTEL_TRACES_SAMPLER[_ARG]
     names = exporter_names()
-    export_process = os.environ.get(EXPORT_PROCESS_ENV, "1" if export_process else "0").strip() not in ("0", "")
-    if export_process and names:
-        provider.add_span_processor(SpanRelay(names, resource))
+    setting = os.environ.get(EXPORT_PROCESS_ENV, "1" if export_process else "0").strip().lower()
+    if setting not in _EXPORT_MODES:
+        log.warning("%s=%r is not one of 0, 1, sdk; using 1", EXPORT_PROCESS_ENV, setting)
+    mode = _EXPORT_MODES.get(setting, "recorder")
+    if mode == "recorder" and (extra is not None or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"):
+        mode = "relay"
+    provider: TracerProvider | RecorderProvider
+    if mode == "recorder":
+        provider = RecorderProvider(resource, SpanRelay(names, resource) if names else None)
     else:
-        for name in names:
-            try:
-                provider.add_span_processor(BatchSpanProcessor(build_exporter(name)))
-            except Exception as exc:  # telemetry never breaks the caller
-                log.warning("trace exporter %s disabled: %s", name, exc)
-    if extra is not None:
-        provider.add_span_processor(extra)
+        provider = sdk_provider = TracerProvider(resource=resource)   # sampler from OTEL_TRACES_SAMPLER[_ARG]
+        if mode == "relay" and names:
+            sdk_provider.add_span_processor(SpanRelay(names, resource))
+        else:
+            for name in names:
+                try:
+                    sdk_provider.add_span_processor(BatchSpanProcessor(build_exporter(name)))
+                except Exception as exc:  # telemetry never breaks the caller
+                    log.warning("trace exporter %s disabled: %s", name, exc)
+        if extra is not None:
+            sdk_provider.add_span_processor(extra)
     trace.set_tracer_provider(provider)
     # the OTLP exporter logs every failed export at ERROR; one warning is enough for us
     logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").setLevel(logging.CRITICAL)

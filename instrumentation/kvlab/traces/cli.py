@@ -96,7 +96,7 @@ def _pct(part: int | None, whole: int | None) -> str:
 
 
 def cmd_list(source: TraceSource, args: argparse.Namespace, console: Console) -> int:
-    requests = ({str(r["trace_id"]).lower(): r for r in load_requests(args.run) if r.get("trace_id")}
+    requests = ({r.trace_id.lower(): r for r in load_requests(args.run) if r.trace_id}
                 if not args.jaeger else {})
     traces = source.traces(service=args.service)
     rows = []
@@ -113,13 +113,14 @@ def cmd_list(source: TraceSource, args: argparse.Namespace, console: Console) ->
                 "prompt", "avail", "pred", "deliv", "client TTFT ms"):
         table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col in {"trace id", "start"})
     for t, d in reversed(rows):
-        client = requests.get(t.trace_id, {})
+        client = requests.get(t.trace_id)
         table.add_row(
             t.trace_id, datetime.fromtimestamp(t.start_ns / 1e9).strftime("%H:%M:%S.%f")[:-3], t.root.name,
             f"{t.duration_ms:.1f}", str(len(t)), ",".join(t.services),
             _fmt(d.policy if d else None), _fmt(d.chosen if d else None),
             _fmt(d.prompt_tokens if d else None), _fmt(d.available if d else None),
-            _fmt(d.predicted if d else None), _fmt(d.delivered if d else None), _fmt(client.get("ttft_ms")))
+            _fmt(d.predicted if d else None), _fmt(d.delivered if d else None),
+            _fmt(client.ttft_ms if client else None))
     console.print(table)
     return 0
 

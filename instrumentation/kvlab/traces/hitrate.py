@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from kvlab.load.measure import Record
 from kvlab.telemetry import names as n
 from kvlab.traces.decision import decision_of
 from kvlab.traces.span import Trace
@@ -34,29 +34,30 @@ class RequestHits:
     workload: str | None
 
 
-def request_hits(traces: Iterable[Trace], requests: Iterable[dict[str, Any]] = ()) -> list[RequestHits]:
+def request_hits(traces: Iterable[Trace], requests: Iterable[Record] = ()) -> list[RequestHits]:
     """One row per gateway request found in `traces`, ordered by start time."""
-    clients = {str(r["trace_id"]).lower(): r for r in requests if r.get("trace_id")}
+    clients = {r.trace_id.lower(): r for r in requests if r.trace_id}
     rows = []
     for t in traces:
         d = decision_of(t)
         if d is None:
             continue
-        client = clients.get(t.trace_id, {})
-        ttft = client.get("ttft_ms")
+        client = clients.get(t.trace_id)
+        ttft = client.ttft_ms if client else None
         client_span = t.first(n.SPAN_CLIENT_REQUEST)
         if ttft is None and client_span is not None:
             seconds = client_span.attr(n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK)
             ttft = seconds * 1000 if isinstance(seconds, int | float) else None
-        delivered = d.delivered if d.delivered is not None else client.get("cached_tokens")
+        delivered = d.delivered if d.delivered is not None else (client.cached_tokens if client else None)
         rows.append(RequestHits(
             trace_id=t.trace_id, start_ns=t.start_ns,
-            policy=d.policy or client.get("policy"), replica=d.chosen or client.get("replica"),
-            prompt_tokens=int(d.prompt_tokens or client.get("prompt_tokens") or 0),
+            policy=d.policy or (client.policy if client else None),
+            replica=d.chosen or (client.replica if client else None),
+            prompt_tokens=int(d.prompt_tokens or (client.prompt_tokens if client else 0) or 0),
             available=int(d.available or 0), predicted=int(d.predicted or 0), delivered=int(delivered or 0),
             ttft_ms=float(ttft) if ttft is not None else None, routing_ms=d.routing_ms,
-            phase=client.get("phase"),
-            workload=client.get("workload") or t.attr(n.WORKLOAD)))
+            phase=client.phase if client else None,
+            workload=(client.workload if client else None) or t.attr(n.WORKLOAD)))
     rows.sort(key=lambda r: r.start_ns)
     return rows
 

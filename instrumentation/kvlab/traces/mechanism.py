@@ -13,7 +13,7 @@ at request times only, for the group being requested.
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,9 @@ from plotly.subplots import make_subplots
 
 from kvlab.errors import KvlabError
 from kvlab.kvcache.hashing import block_keys
+from kvlab.load.measure import Record
+from kvlab.load.summary import Summary
+from kvlab.run.phases import PhaseResult
 from kvlab.traces import explain
 from kvlab.traces.decision import Decision, decision_of
 from kvlab.traces.span import Trace
@@ -102,12 +105,12 @@ def _group_key(g: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, g)
 
 
-def residency(traces: Iterable[Trace], records: Iterable[dict[str, Any]]) -> dict[str, Residency]:
+def residency(traces: Iterable[Trace], records: Iterable[Record]) -> dict[str, Residency]:
     """Residency per policy from the decision spans (every replica's cached prefix of the prompt in
     the KV-event index), joined with the client records' prompt group by trace id. An eviction is
     counted when a replica's cached prefix of a group drops by ≥ 25 % of the prompt between two
     requests of the group."""
-    groups = {str(r["trace_id"]).lower(): str(r["group"]) for r in records if r.get("trace_id") and r.get("group")}
+    groups = {r.trace_id.lower(): r.group for r in records if r.trace_id and r.group}
     rows: dict[str, list[tuple[int, str, Decision]]] = {}
     for t in traces:
         d = decision_of(t)
@@ -177,17 +180,17 @@ def residency_figure(by_policy: dict[str, Residency], frames: int = 10) -> go.Fi
 
 # ---- the funnel ---------------------------------------------------------------------------------
 
-def funnel_figure(summaries: dict[str, dict[str, Any]]) -> go.Figure:
+def funnel_figure(summaries: Mapping[str, Summary]) -> go.Figure:
     """available → predicted → delivered, token-weighted fractions of prompt tokens, per phase:
     the drop from available to predicted is cache lost to routing, from predicted to delivered
     cache lost to eviction or a stale index."""
     fig = go.Figure()
     colors = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e"]
     for i, (phase, s) in enumerate(summaries.items()):
-        hit = s.get("hit_rate") or {}
-        if any(hit.get(k) is None for k in ("available", "predicted", "delivered")):
+        hit = s.hit_rate
+        if hit.available is None or hit.predicted is None or hit.delivered is None:
             continue     # not behind the gateway (a cluster's baseline Service): unknown, not 0
-        values = [float(hit[k]) for k in ("available", "predicted", "delivered")]
+        values = [hit.available, hit.predicted, hit.delivered]
         fig.add_trace(go.Funnel(name=phase, y=["available (any replica)", "predicted (chosen replica)",
                                                "delivered (engine reused)"], x=values,
                                 texttemplate="%{x:.0%}", marker=dict(color=colors[i % 4]),
@@ -223,7 +226,7 @@ def examples_html(decisions: list[Decision]) -> str:
 
 # ---- the report's section -----------------------------------------------------------------------
 
-def figures(run_dir: Path, phases: dict[str, dict[str, Any]]) -> tuple[list[go.Figure], list[Decision]]:
+def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[go.Figure], list[Decision]]:
     """The chain, residency and funnel figures of a run (those its data allows) and its decisions."""
     import json
 
@@ -246,17 +249,17 @@ def figures(run_dir: Path, phases: dict[str, dict[str, Any]]) -> tuple[list[go.F
     if traces_dir.is_dir():
         traces = OtlpFileSource(traces_dir).traces()
         decisions = [d for t in traces if (d := decision_of(t)) is not None]
-        records = [r for v in phases.values() for r in v.get("records", [])]
+        records = [r for v in phases.values() for r in v.records]
         res = residency(traces, records)
         if res:
             figs.append(residency_figure(res))
-    funnel = funnel_figure({p: v["summary"] for p, v in phases.items()})
+    funnel = funnel_figure({p: v.summary for p, v in phases.items()})
     if funnel.data:
         figs.append(funnel)
     return figs, decisions
 
 
-def section(run_dir: Path | None, phases: dict[str, dict[str, Any]], config: dict[str, Any]) -> str:
+def section(run_dir: Path | None, phases: Mapping[str, PhaseResult], config: dict[str, Any]) -> str:
     """The report's "why" section: the mechanism figures and three decisions in words (only for a
     run directory: it needs the run's summary.json and traces)."""
     if run_dir is None or not (run_dir / "summary.json").is_file():

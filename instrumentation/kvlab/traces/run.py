@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import KvlabError
+from kvlab.load.measure import Record, read_records
 
 DEFAULT_RUNS = Path("runs")
 
@@ -54,22 +55,11 @@ def traces_location(run_dir: Path | None) -> tuple[str, Path | str]:
                      "for a Jaeger-backed run use --jaeger URL")
 
 
-def load_requests(run_dir: Path | None) -> list[dict[str, Any]]:
-    """Every client-side request record (requests.jsonl of each phase) under the run, with the
-    phase folder name added as `_source`; [] when the run has none (e.g. a plain `kvlab up`)."""
+def load_requests(run_dir: Path | None) -> list[Record]:
+    """Every client-side request record (requests.jsonl of each phase) under the run; [] when the
+    run has none (e.g. a plain `kvlab up`)."""
     try:
         run = resolve_run(run_dir)
     except KvlabError:
         return []
-    rows: list[dict[str, Any]] = []
-    for path in sorted(run.rglob("requests.jsonl")):
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict):
-                    row.setdefault("_source", path.parent.name)
-                    rows.append(row)
-    return rows
+    return [r for path in sorted(run.rglob("requests.jsonl")) for r in read_records(path)]

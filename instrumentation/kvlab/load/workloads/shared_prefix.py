@@ -4,12 +4,18 @@ The llm-d benchmark shape, scaled for CPU: every request picks a group uniformly
 of that group's questions. A cache-blind router spreads each group over every replica, so with KV
 capacity for only part of the groups each replica keeps evicting; a KV-aware router keeps a group
 on the replica that holds its prefix.
+
+`hot_share` > 0 makes group 0 hot: that share of requests asks it, the rest pick one of the other
+groups uniformly (one popular prompt: pure prefix affinity piles it onto a single replica).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import cached_property
+from typing import Annotated
+
+import msgspec
 
 from kvlab.load.workloads.base import Params, Workload, WorkloadRequest, text
 
@@ -20,6 +26,11 @@ class SharedPrefixParams(Params, frozen=True):
     system_tokens: int = 1800
     question_tokens: int = 48
     output_tokens: int = 32
+    hot_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0   # share of requests to group 0
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.hot_share < 1.0 and self.groups < 2:
+            raise ValueError("hot_share below 1 needs at least 2 groups (the rest go to the other groups)")
 
 
 class SharedPrefix(Workload[SharedPrefixParams]):
@@ -40,7 +51,12 @@ class SharedPrefix(Workload[SharedPrefixParams]):
         rng = self.rng("order")
         p = self.params
         while True:
-            g = rng.randrange(p.groups)
+            if not p.hot_share:
+                g = rng.randrange(p.groups)   # the stream without a hot group draws only this
+            elif rng.random() < p.hot_share:
+                g = 0
+            else:
+                g = 1 + rng.randrange(p.groups - 1)
             q = rng.randrange(p.prompts_per_group)
             yield [WorkloadRequest(messages=[{"role": "system", "content": self._systems[g]},
                                      {"role": "user", "content": self._questions[g][q]}],

@@ -17,12 +17,14 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvlab import __version__
 from kvlab.errors import KvlabError
-from kvlab.stack.kind import forward, plan
+from kvlab.stack.kind import forward, plan, versions
 from kvlab.stack.kind import manifests as m
 from kvlab.stack.kind import objects as o
+from kvlab.stack.kind.runner import api_client
 from kvlab.topology import Topology, builtin, load_topology
 
 
@@ -38,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default=f"kvlab:{__version__}", help="the kvlab image (gateway + simulator)")
     p.add_argument("--no-build", action="store_true", help="deploy: do not build/load the kvlab image")
     p.add_argument("--hf-model", default=None,
-                   help=f"GPU: the Hugging Face model vLLM serves (default: the topology's gpu.model, else {m.versions.VLLM_MODEL})")
+                   help=f"GPU: the Hugging Face model vLLM serves (default: the topology's gpu.model, else {versions.VLLM_MODEL})")
     p.add_argument("--out", type=Path, help="render: the directory the YAML files are written to")
     p.add_argument("--dry-run", action="store_true", help="print the steps and manifests; touch nothing")
     return p
@@ -50,7 +52,7 @@ def _topology(spec: str) -> Topology:
 
 
 def _cluster(args: argparse.Namespace, topology: Topology) -> o.Cluster:
-    hf_model = args.hf_model or topology.gpu.model or m.versions.VLLM_MODEL
+    hf_model = args.hf_model or topology.gpu.model or versions.VLLM_MODEL
     return o.Cluster(name=args.name, namespace=args.namespace, gpu=args.gpu, image=args.image, hf_model=hf_model)
 
 
@@ -78,24 +80,32 @@ def build_plan(args: argparse.Namespace) -> list[plan.Step]:
     return steps
 
 
+def _name(obj: Any) -> str:
+    """A Kubernetes object's name (the client types every field optional)."""
+    return str(obj.metadata.name) if obj.metadata and obj.metadata.name else "-"
+
+
 def status(args: argparse.Namespace) -> int:
     from kubernetes import client
 
-    api = forward.api_client(f"kind-{args.name}")
+    api = api_client(f"kind-{args.name}")
     apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
     deployments = apps.list_namespaced_deployment(args.namespace, label_selector=f"{o.PART_OF}=kvlab").items
     if not deployments:
         print(f"nothing deployed in namespace {args.namespace}: `kvlab cluster deploy`")
         return 1
     print(f"{'DEPLOYMENT':<24} {'READY':>7}  IMAGE")
-    for d in sorted(deployments, key=lambda d: d.metadata.name):
-        ready = f"{d.status.ready_replicas or 0}/{d.spec.replicas}"
-        print(f"{d.metadata.name:<24} {ready:>7}  {d.spec.template.spec.containers[0].image}")
+    for d in sorted(deployments, key=_name):
+        ready = f"{d.status.ready_replicas or 0 if d.status else 0}/{d.spec.replicas if d.spec else '?'}"
+        containers = d.spec.template.spec.containers if d.spec and d.spec.template.spec else []
+        print(f"{_name(d):<24} {ready:>7}  {containers[0].image if containers else '-'}")
     pods = core.list_namespaced_pod(args.namespace, label_selector=f"{o.PART_OF}=kvlab").items
     print(f"\n{'POD':<44} {'PHASE':<10} {'IP':<16} NODE")
-    for pod in sorted(pods, key=lambda p: p.metadata.name):
-        print(f"{pod.metadata.name:<44} {pod.status.phase:<10} {pod.status.pod_ip or '-':<16} {pod.spec.node_name or '-'}")
-    services = {svc.metadata.name for svc in core.list_namespaced_service(args.namespace).items}
+    for pod in sorted(pods, key=_name):
+        phase, ip = (pod.status.phase, pod.status.pod_ip) if pod.status else (None, None)
+        node = pod.spec.node_name if pod.spec else None
+        print(f"{_name(pod):<44} {phase or '-':<10} {ip or '-':<16} {node or '-'}")
+    services = {_name(svc) for svc in core.list_namespaced_service(args.namespace).items}
     print("\nURLs (NodePorts published on 127.0.0.1 by kind/*.yaml):")
     for target, (service, _, path) in forward.SERVICES.items():
         if service in services:
@@ -132,7 +142,7 @@ def preflight_cmd(args: argparse.Namespace) -> int:
 
     topology = _topology(args.topology)
     cluster = _cluster(args, topology)
-    core = client.CoreV1Api(forward.api_client(cluster.context))
+    core = client.CoreV1Api(api_client(cluster.context))
     passed, lines = preflight.report(preflight.run(core, cluster, topology))
     print("\n".join(lines))
     return 0 if passed else 1
