@@ -13,6 +13,8 @@ so earlier results replay unchanged: `tools_message` sends the tool block as a s
 message (a template-independent place a gateway can tell apart from the system prompt: the tiny
 model's template does not render the `tools` field), `hint_branches` marks each branch request
 with the client hint `x-kvlab-kv-hint: branch` (its reasoning is explored, then abandoned).
+`tool_seconds` makes the user wait for a tool call before each later step: meanwhile the
+session's KV sits idle in the replica's free queue, where a retention policy decides its fate.
 """
 
 from __future__ import annotations
