@@ -1,6 +1,6 @@
 """Recomputed prompt tokens under LRU vs typed retention, replayed offline (docs/semantic-kv.md).
 
-    .venv/bin/python benchmarks/typed_retention.py [--blocks 320] [--share 0.15] [--agents 2,3,6]
+    .venv/bin/python benchmarks/typed_retention.py [--blocks 720] [--share 0.15] [--live 8] [--agents 2,4,6]
 
 Drives one simulator block pool and scheduler (engine/sim) request by request with the `agentic`
 workload of labs/topologies/agentic.yaml, `--live` sessions interleaved step by step, directives
@@ -68,13 +68,14 @@ def replay(settings: RetentionSettings, params: dict[str, Any], blocks: int, sha
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--blocks", type=int, default=320)
-    p.add_argument("--share", type=float, default=0.15)
-    p.add_argument("--agents", default="2,3,6")
-    p.add_argument("--live", type=int, default=4)
+    topology = load_topology(builtin("agentic"))
+    p.add_argument("--blocks", type=int, default=topology.sim.num_blocks)
+    p.add_argument("--share", type=float, default=topology.sim.typed_retention or 0.15)
+    p.add_argument("--agents", default="2,4,6")
+    p.add_argument("--live", type=int, default=8, help="sessions interleaved (lab 09: 8 users on one replica)")
     p.add_argument("--sessions", type=int, default=24)
     a = p.parse_args()
-    base = dict(load_topology(builtin("agentic")).workload.params)
+    base = dict(topology.workload.params)
     tok = LocalTokens(PromptTokenizer(Tokenizer()))
     table = Table(title=f"recomputed prompt tokens, {a.blocks} blocks, pinned share {a.share:.0%}, "
                         f"{a.live} live sessions, {a.sessions} sessions")

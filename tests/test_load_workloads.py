@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -120,3 +122,28 @@ def test_long_context_prompts_near_the_limit_popular_and_new():
     counts = Counter(r.group for r in reqs)
     assert counts["c0"] > 2 * counts["c3"]                                     # Zipf-like popularity
     assert all(1400 <= n_tokens(c) <= 1500 for c in contexts["c0"])
+
+
+def test_agentic_tool_calls_pause_later_steps_and_the_user_waits():
+    """`tool_seconds`: every request after a session's first waits for its tool call (the session's
+    KV sits idle meanwhile); the default stream has no pause, and the Locust user sleeps it."""
+    plain = create("agentic", seed=3).session(0)
+    paused = create("agentic", seed=3, params={"tool_seconds": 0.25}).session(0)
+    assert all(r.pause_s == 0 for r in plain)
+    assert [r.pause_s for r in paused] == [0.0] + [0.25] * (len(paused) - 1)
+    assert [r.messages for r in paused] == [r.messages for r in plain]   # same stream otherwise
+    # the user, in a process of its own (locust monkey-patches the interpreter at import)
+    script = """
+import locust  # first: it monkey-patches the interpreter
+from kvlab.load import users
+from kvlab.load.workloads import create
+reqs = create("agentic", seed=3, params={"tool_seconds": 0.25}).session(0)[:3]
+slept, sent = [], []
+users.time.sleep = slept.append
+users.FEED = type("Feed", (), {"next_session": lambda self: (0, reqs)})()
+users.ChatUser.send = lambda self, f, req, session, step: sent.append((step, len(slept))) or type("R", (), {"status": 200})()
+users.ChatUser.run_session(users.ChatUser.__new__(users.ChatUser))
+print(sent, slept)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[(0, 0), (1, 1), (2, 2)] [0.25, 0.25]"   # each pause before its own request

@@ -70,6 +70,8 @@ class ChatUser(User):
             return
         session, requests_ = feed.next_session()
         for step, req in enumerate(requests_):
+            if req.pause_s:
+                time.sleep(req.pause_s)
             if self.send(feed, req, session, step).status == 0:  # target unreachable: back off instead of spinning
                 time.sleep(0.5)
                 return

@@ -13,6 +13,8 @@ so earlier results replay unchanged: `tools_message` sends the tool block as a s
 message (a template-independent place a gateway can tell apart from the system prompt: the tiny
 model's template does not render the `tools` field), `hint_branches` marks each branch request
 with the client hint `x-kvlab-kv-hint: branch` (its reasoning is explored, then abandoned).
+`tool_seconds` makes the user wait for a tool call before each later step: meanwhile the
+session's KV sits idle in the replica's free queue, where a retention policy decides its fate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class AgenticParams(Params, frozen=True):
     output_tokens: int = 32
     tools_message: bool = False    # the tool block as its own system message, not appended to the prompt
     hint_branches: bool = False    # branch requests carry the hint `branch`
+    tool_seconds: float = 0.0      # the tool call before each later step: the session's KV sits idle meanwhile
 
 
 class Agentic(Workload[AgenticParams]):
@@ -61,11 +64,12 @@ class Agentic(Workload[AgenticParams]):
                     {"role": "user", "content": "Observation: " + text(rng, p.observation_tokens) + "."}]
 
         for k in range(p.steps):
-            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out)))
+            out.append(WorkloadRequest(messages=messages, max_tokens=p.output_tokens, group=f"agent{agent}", turn=len(out),
+                                       pause_s=p.tool_seconds if k else 0.0))
             if k < p.steps - 1 and rng.random() < p.branch_probability:   # tried, abandoned: the next step goes without it
                 out.append(WorkloadRequest(messages=[*messages, *step()], max_tokens=p.output_tokens,
                                    group=f"agent{agent}", turn=len(out),
-                                   hint="branch" if p.hint_branches else None))
+                                   hint="branch" if p.hint_branches else None, pause_s=p.tool_seconds))
             messages = [*messages, *step()]
         return out
 

@@ -31,6 +31,7 @@ class WorkloadRequest(msgspec.Struct, kw_only=True, frozen=True):
     turn: int = 0
     headers: dict[str, str] = {}          # extra request headers (a priority class, a tenant)
     hint: str | None = None   # a client hint to the gateway (x-kvlab-kv-hint, docs/semantic-kv.md)
+    pause_s: float = 0.0      # the client waits this long before sending it (an agent's tool call)
 
 
 class Params(Strict, frozen=True):
