@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from kvlab.compare.results import KV_PREFIX, NO_CREDIT, Row, kv_path_warning, metric_counters
 from kvlab.compare.routers import commands, render, resolve
 from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
@@ -97,7 +98,8 @@ def compared(tmp_path_factory):
     require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
     root = tmp_path_factory.mktemp("compare")
     (root / "t.yaml").write_text(TOPOLOGY)
-    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--routers", "kv-aware,vllm-router:cache_aware,mine",
+    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--routers",
+                   "kv-aware,vllm-router:cache_aware,vllm-router:kv_aware,mine",
                    "--router", MINE, "--duration", "6", "--users", "4", "--run-dir", str(root / "run"), cwd=root)
     return result, root / "run"
 
@@ -107,8 +109,8 @@ def test_compare_runs_a_kvlab_router_and_external_ones_on_the_same_replicas(comp
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads((run / "compare.json").read_text())
     rows = {r["router"]: r for r in doc["workloads"]["shared-prefix"]["routers"]}
-    assert list(rows) == ["kv-aware", "vllm-router:cache_aware", "mine"]
-    assert [r["peer"] for r in rows.values()] == [False, True, True]
+    assert list(rows) == ["kv-aware", "vllm-router:cache_aware", "vllm-router:kv_aware", "mine"]
+    assert [r["peer"] for r in rows.values()] == [False, True, True, True]
     for name, r in rows.items():
         assert r["ok"] >= 4 and r["errors"] == 0, (name, r)
         # balance comes from the replicas' own counters: it adds up to what the client completed
@@ -119,6 +121,42 @@ def test_compare_runs_a_kvlab_router_and_external_ones_on_the_same_replicas(comp
     # the template's {url} reached vllm-router as both replicas: round_robin spreads evenly
     assert rows["mine"]["max_load"] <= 1.25 and len(rows["mine"]["replica_requests"]) == 2
     assert "vllm-router:cache_aware (peer)" in result.stdout and "of oracle" in result.stdout
+
+
+def test_compare_keeps_the_peers_own_kv_counters_and_says_when_its_kv_path_never_engaged(compared):
+    result, run = compared
+    doc = json.loads((run / "compare.json").read_text())
+    rows = {r["router"]: Row(**r) for r in doc["workloads"]["shared-prefix"]["routers"]}
+    assert rows["kv-aware"].peer_counters == {}          # kvlab's own router: its spans say it all
+    kv = rows["vllm-router:kv_aware"]
+    lookups = sum(v for k, v in kv.peer_counters.items() if k.startswith("vllm_router_kv_placement_lookups_total"))
+    assert lookups >= kv.ok, kv.peer_counters           # read from the peer's /metrics before it stopped
+    credited = [k for k in kv.peer_counters if "_placement_lookups_" in k and not any(m in k for m in NO_CREDIT)]
+    said = "vllm-router:kv_aware: none of its" in " ".join(result.stdout.split())
+    assert (kv_path_warning(kv) is None) == bool(credited) and said == (not credited)
+
+
+PAGE = """# HELP vllm_router_kv_placement_lookups_total KV-aware placement lookups
+# TYPE vllm_router_kv_placement_lookups_total counter
+vllm_router_kv_placement_lookups_total{result="miss"} 36
+vllm_router_kv_routing_inputs_total{transport="http",result="render"} 72
+vllm_router_worker_load{worker="w"} 3
+"""
+
+
+def test_a_peers_kv_counters_tell_whether_its_kv_path_credited_anything():
+    counters = metric_counters(PAGE, KV_PREFIX)
+    assert counters == {'vllm_router_kv_placement_lookups_total{result="miss"}': 36.0,
+                        'vllm_router_kv_routing_inputs_total{result="render",transport="http"}': 72.0}
+    base = dict(router="p", peer=True, requests=36, ok=36, errors=0, first_error=None, hit_rate=0.5,
+                oracle_hit_rate=0.9, share_of_oracle=0.55, ttft_p50_ms=1.0, ttft_p95_ms=1.0, ttft_p99_ms=1.0,
+                itl_p50_ms=1.0, itl_p95_ms=1.0, rps=1.0, output_tok_s=1.0, replica_requests={}, max_load=None)
+    assert "none of its 36 KV placement lookups" in kv_path_warning(Row(**base, peer_counters=counters))
+    hit = {**counters, 'vllm_router_kv_placement_lookups_total{result="hit"}': 5.0}
+    assert kv_path_warning(Row(**base, peer_counters=hit)) is None
+    rejected = {'vllm_router_kv_routing_inputs_total{result="preparation_rejected",transport="http"}': 90.0}
+    assert "every KV token preparation was rejected (90)" in kv_path_warning(Row(**base, peer_counters=rejected))
+    assert kv_path_warning(Row(**base)) is None          # a router without such counters
 
 
 def test_compare_writes_the_html_report_and_stops_every_router(compared):

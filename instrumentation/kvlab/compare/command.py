@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.results import Row, ceiling_for, request_counts, row, table
+from kvlab.compare.results import Row, ceiling_for, kv_path_warning, request_counts, row, table
 from kvlab.compare.routers import Router, RouterStack, capacity, commands, local_routers, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import ConfigError
@@ -97,7 +97,7 @@ def measure(stack: RouterStack, spec: BenchSpec, routers: list[Router], out: Pat
         [result] = run_phases(stack, spec, [Phase(router.name, router.name)], out, display, first=number)
         after = request_counts(replicas)
         ceiling = ceiling_for(workload, result.records, block_size, len(replicas), blocks, tokenizer)
-        rows.append(row(router.name, router.peer, result.summary, ceiling, before, after))
+        rows.append(row(router.name, router.peer, result.summary, ceiling, before, after, stack.peer_counters()))
         records[router.name] = result.records
     cap = f"{len(replicas)} × {blocks} blocks of {block_size}" if blocks else f"unbounded, blocks of {block_size}"
     return rows, records, f"oracle: Belady on one pooled cache of {cap}"
@@ -143,7 +143,10 @@ def run_compare(argv: list[str], console: Console) -> Path:
 
     report = write_compare(run_dir / "compare.html", document, records)
     for w, section in sections.items():
-        console.print(table(w, [Row(**r) for r in section["routers"]], section["oracle_note"]))
+        rows = [Row(**r) for r in section["routers"]]
+        console.print(table(w, rows, section["oracle_note"]))
+        for warning in filter(None, map(kv_path_warning, rows)):
+            console.print(f"[yellow]![/yellow] {w} · {warning}")
     console.print(f"report:  {report}\nresults: {run_dir / 'compare.json'}")
     return run_dir
 

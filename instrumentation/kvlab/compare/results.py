@@ -45,6 +45,41 @@ class Row(msgspec.Struct, kw_only=True):
     output_tok_s: float
     replica_requests: dict[str, int]   # from each replica's own counter
     max_load: float | None             # busiest replica's share / an even share (1.0 = even)
+    peer_counters: dict[str, float] = {}   # the peer's own `vllm_router_kv_*` counters at the end
+
+
+# vllm-router's `vllm_router_kv_placement_lookups_total{result=...}` values that credit no cached
+# prefix, and its `vllm_router_kv_routing_inputs_total` result when it got no prompt tokens at all
+NO_CREDIT = ('result="miss"', 'result="missing_tokens"')
+NO_TOKENS = 'result="preparation_rejected"'
+KV_PREFIX = "vllm_router_kv_"
+
+
+def metric_counters(text: str, prefix: str) -> dict[str, float]:
+    """`name{label="value",...}` -> value of every counter sample in a Prometheus page named `prefix*`."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(prefix) and s.name.endswith("_total"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def kv_path_warning(r: Row) -> str | None:
+    """What the peer's own counters say when its KV-aware path never credited a cached prefix (so it
+    routed by load alone); None when it did, or when the router keeps no such counters."""
+    lookups = {k: v for k, v in r.peer_counters.items() if "_placement_lookups_" in k}
+    inputs = {k: v for k, v in r.peer_counters.items() if "_routing_inputs_" in k}
+    rejected = sum(v for k, v in inputs.items() if NO_TOKENS in k)
+    missed = sum(v for k, v in lookups.items() if any(m in k for m in NO_CREDIT))
+    if rejected and rejected == sum(inputs.values()):
+        return (f"{r.router}: every KV token preparation was rejected ({rejected:.0f}); it routed by load "
+                "alone (docs/compare.md, \"Is a peer's KV path engaged?\")")
+    if lookups and missed == sum(lookups.values()):
+        return (f"{r.router}: none of its {missed:.0f} KV placement lookups credited a cached prefix; it "
+                "routed by load alone (docs/compare.md, \"Is a peer's KV path engaged?\")")
+    return None
 
 
 def request_counts(replicas: list[dict[str, Any]]) -> dict[str, float]:
@@ -67,8 +102,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
-        before: dict[str, float], after: dict[str, float]) -> Row:
-    """The row of one router's run: its summary.json, the oracle and the replicas' counters."""
+        before: dict[str, float], after: dict[str, float], peer_counters: dict[str, float]) -> Row:
+    """The row of one router's run: its summary.json, the oracle, the replicas' counters and the
+    peer's own."""
     served = {n: int(after[n] - before.get(n, 0.0)) for n in after}
     total = sum(served.values())
     hit = summary.hit_rate.delivered
@@ -79,7 +115,7 @@ def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
                oracle_hit_rate=round(top, 4) if top is not None else None, share_of_oracle=_ratio(hit, top),
                ttft_p50_ms=ttft.p50, ttft_p95_ms=ttft.p95, ttft_p99_ms=ttft.p99,
                itl_p50_ms=itl.p50, itl_p95_ms=itl.p95, rps=summary.rps,
-               output_tok_s=summary.output_tok_s, replica_requests=served,
+               output_tok_s=summary.output_tok_s, replica_requests=served, peer_counters=peer_counters,
                max_load=round(max(served.values()) * len(served) / total, 3) if total else None)
 
 

@@ -21,6 +21,7 @@ import shlex
 import shutil
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +31,7 @@ import msgspec
 from rich.console import Console
 
 from kvlab.compare.relay import Relay
+from kvlab.compare.results import KV_PREFIX, metric_counters
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
@@ -162,6 +164,7 @@ class RouterStack:
         self.block_size = capacity(base.topology)[0]
         self.ready_timeout_s = base.ready_timeout_s
         self.peer: Child | None = None
+        self.peer_metrics: str | None = None   # the running peer's /metrics, when its template has one
         self.relay: Relay | None = None   # KV events over TCP for the running peer, when it needs them
 
     @property
@@ -181,7 +184,19 @@ class RouterStack:
     def describe(self) -> StackInfo:
         return self.base.describe()
 
+    def peer_counters(self) -> dict[str, float]:
+        """The running peer's own KV-path counters (vllm-router's `vllm_router_kv_*_total`); empty for
+        a kvlab router, a peer without `{metrics_port}` or one whose metrics do not answer."""
+        if self.peer is None or self.peer_metrics is None:
+            return {}
+        try:
+            with urllib.request.urlopen(self.peer_metrics, timeout=5) as resp:
+                return metric_counters(resp.read().decode(), KV_PREFIX)
+        except (OSError, ValueError):
+            return {}
+
     def stop_peer(self) -> None:
+        self.peer_metrics = None
         if self.peer is not None:
             self.peer.stop()
             self.base.children.remove(self.peer)
@@ -212,9 +227,11 @@ class RouterStack:
         if "{kv_events}" in template and local:   # vLLM's Unix sockets: relayed to loopback TCP
             self.relay = Relay([r["kv_events"] for r in replicas])
             replicas = [{**r, "kv_events": e} for r, e in zip(replicas, self.relay.endpoints, strict=True)]
-        port = free_port()
-        argv = render(template, replicas, port=port, metrics_port=free_port(),
+        port, metrics_port = free_port(), free_port()
+        argv = render(template, replicas, port=port, metrics_port=metrics_port,
                       model=self.base.topology.model, block_size=self.block_size)
+        if "{metrics_port}" in template:
+            self.peer_metrics = f"http://{HOST}:{metrics_port}/metrics"
         log = self.base.logs / f"router-{name.replace(':', '-')}.log"
         self.peer = Child.start(f"router-{name}", argv, log)
         self.base.children.append(self.peer)   # in stack.json, so `kvlab down` stops it too

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from kvlab.compare.results import COLUMNS, Row, cells
+from kvlab.compare.results import COLUMNS, Row, cells, kv_path_warning
 from kvlab.load.measure import Record
 from kvlab.report import figures
 from kvlab.report.html import CSS, PLOT_CONFIG
@@ -81,8 +81,9 @@ def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]
     for w, section in document["workloads"].items():
         rows = [Row(**r) for r in section["routers"]]
         grid = "".join(_div(f) for f in (hit_vs_oracle(rows), ttft(rows), throughput(rows), balance(rows)))
+        warnings = "".join(f'<p class="note">{html.escape(x)}</p>' for x in filter(None, map(kv_path_warning, rows)))
         sections.append(f"<h2>{html.escape(w)}</h2><div class=\"meta\">{html.escape(section['oracle_note'])}</div>"
-                        f"{_table(rows)}<div class=\"grid\">{grid}</div>{_div(figures.ttft_cdf(records[w]))}")
+                        f"{_table(rows)}{warnings}<div class=\"grid\">{grid}</div>{_div(figures.ttft_cdf(records[w]))}")
     data = json.dumps(document).replace("</", "<\\/")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>kvlab compare {html.escape(document['id'])}</title>
