@@ -9,6 +9,7 @@ one JSON line per request). Without --host the gateway of the newest local stack
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -66,7 +67,10 @@ def _start(environment: Any, **_: Any) -> None:
     users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy)
     if opts.requests_out and _out is None:
         Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
-        _out = open(opts.requests_out, "a", buffering=1)   # noqa: SIM115 (open for the whole test; closed at quit)
+        # line-buffered, open to the process's end: requests that finish while Locust stops (it counts
+        # them) are recorded too
+        _out = open(opts.requests_out, "a", buffering=1)   # noqa: SIM115 (open for the whole test)
+        atexit.register(_out.close)
 
 
 @events.request.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
@@ -78,8 +82,4 @@ def _record(context: dict[str, Any] | None = None, **_: Any) -> None:
 
 @events.quitting.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _quit(environment: Any, **_: Any) -> None:
-    global _out
-    if _out is not None:
-        _out.close()
-        _out = None
     shutdown_tracing()
