@@ -57,6 +57,7 @@ def _options(parser: Any) -> None:
 @events.init.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _init(environment: Any, **_: Any) -> None:
     configure_tracing("kvlab-locust")
+    atexit.register(shutdown_tracing)   # at exit, not at `quitting`: spans of requests finishing after it
 
 
 @events.test_start.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
@@ -78,8 +79,3 @@ def _record(context: dict[str, Any] | None = None, **_: Any) -> None:
     record = (context or {}).get("kvlab_record")
     if record is not None and _out is not None:
         _out.write(json.dumps(record) + "\n")
-
-
-@events.quitting.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
-def _quit(environment: Any, **_: Any) -> None:
-    shutdown_tracing()
