@@ -155,7 +155,11 @@ def test_a_peers_kv_counters_tell_whether_its_kv_path_credited_anything():
     hit = {**counters, 'vllm_router_kv_placement_lookups_total{result="hit"}': 5.0}
     assert kv_path_warning(Row(**base, peer_counters=hit)) is None
     rejected = {'vllm_router_kv_routing_inputs_total{result="preparation_rejected",transport="http"}': 90.0}
-    assert "every KV token preparation was rejected (90)" in kv_path_warning(Row(**base, peer_counters=rejected))
+    # cache_aware counts token preparations too, but places by text: no lookups, no warning
+    assert kv_path_warning(Row(**base, peer_counters=rejected)) is None
+    rejected['vllm_router_kv_placement_lookups_total{result="missing_tokens"}'] = 45.0
+    assert "every KV token preparation was rejected (90), so none of its 45" in kv_path_warning(
+        Row(**base, peer_counters=rejected))
     assert kv_path_warning(Row(**base)) is None          # a router without such counters
 
 

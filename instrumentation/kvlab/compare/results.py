@@ -67,19 +67,19 @@ def metric_counters(text: str, prefix: str) -> dict[str, float]:
 
 
 def kv_path_warning(r: Row) -> str | None:
-    """What the peer's own counters say when its KV-aware path never credited a cached prefix (so it
-    routed by load alone); None when it did, or when the router keeps no such counters."""
+    """What the peer's own counters say when its KV placement lookups never credited a cached
+    prefix (so it routed by load alone); None when one did, or when it made no such lookups (a
+    policy such as `cache_aware` also counts token preparations but places by text)."""
     lookups = {k: v for k, v in r.peer_counters.items() if "_placement_lookups_" in k}
     inputs = {k: v for k, v in r.peer_counters.items() if "_routing_inputs_" in k}
-    rejected = sum(v for k, v in inputs.items() if NO_TOKENS in k)
     missed = sum(v for k, v in lookups.items() if any(m in k for m in NO_CREDIT))
-    if rejected and rejected == sum(inputs.values()):
-        return (f"{r.router}: every KV token preparation was rejected ({rejected:.0f}); it routed by load "
-                "alone (docs/compare.md, \"Is a peer's KV path engaged?\")")
-    if lookups and missed == sum(lookups.values()):
-        return (f"{r.router}: none of its {missed:.0f} KV placement lookups credited a cached prefix; it "
-                "routed by load alone (docs/compare.md, \"Is a peer's KV path engaged?\")")
-    return None
+    if not lookups or missed != sum(lookups.values()):
+        return None
+    rejected = sum(v for k, v in inputs.items() if NO_TOKENS in k)
+    why = (f"every KV token preparation was rejected ({rejected:.0f}), so none of its {missed:.0f} KV "
+           "placement lookups had the prompt's tokens" if rejected and rejected == sum(inputs.values())
+           else f"none of its {missed:.0f} KV placement lookups credited a cached prefix")
+    return f"{r.router}: {why}; it routed by load alone (docs/compare.md, \"Is a peer's KV path engaged?\")"
 
 
 def request_counts(replicas: list[dict[str, Any]]) -> dict[str, float]:

@@ -5,9 +5,11 @@ thread holds the GIL for ~50 µs per span (protobuf objects built in Python), so
 competes with the event loop it is meant to spare: at 100 % sampling the gateway lost two thirds
 of its throughput (docs/benchmarks.md, "Tracing cost"). `SpanRelay` instead turns each sampled
 span into a plain tuple (a few µs), sends batches as one msgpack message down a pipe from a
-background thread (C encode, GIL released while writing), and a spawned child rebuilds the spans
-and runs the same exporters, each in the SDK's own BatchSpanProcessor (OTEL_BSP_* and every
-OTEL_EXPORTER_* variable apply there unchanged: the child inherits the environment).
+background thread (C encode, GIL released while writing), and a spawned child runs the same
+exporters (every OTEL_EXPORTER_* and OTEL_BSP_* variable applies there: it inherits the
+environment). The SDK's OTLP/HTTP exporter, the lab's default, gets request bytes written by
+`kvlab.telemetry.otlp.OtlpEncoder` (6x cheaper than the SDK's protobuf objects); any other
+exporter gets rebuilt spans through the SDK's own BatchSpanProcessor.
 
 Back-pressure never reaches a request: the pending list is bounded (OTEL_BSP_MAX_QUEUE_SIZE,
 overflow dropped and counted), and only the sender thread can block on a full pipe. A dead child
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -83,23 +86,85 @@ def unpack(p: Sequence[Any], resource: Resource, limits: SpanLimits) -> Readable
         start_time=start, end_time=end, instrumentation_scope=InstrumentationScope(scope_name, scope_version))
 
 
+class _BytesExport:
+    """The SDK's OTLP/HTTP exporter fed request bytes from `OtlpEncoder` on a thread of its own:
+    its endpoint, headers, compression, timeout and retries (every OTEL_EXPORTER_OTLP_* variable)
+    apply unchanged, only the SDK's per-span protobuf objects are skipped. A slow or dead
+    collector fills the bounded queue (OTEL_BSP_MAX_QUEUE_SIZE spans' worth of batches), and
+    later batches are dropped as the BatchSpanProcessor drops them, never blocking the pipe."""
+
+    def __init__(self, exporter: Any) -> None:
+        self._exporter = exporter
+        max_batches = max(1, int(_env_number("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+                                 // _env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)))
+        self._queue: queue.Queue[bytes | None] = queue.Queue(max_batches)
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name="kvlab-otlp-bytes", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def accepts(exporter: Any) -> bool:
+        """Whether `exporter` is the SDK's OTLP/HTTP span exporter with the client this relies
+        on (a private attribute of opentelemetry-exporter-otlp-proto-http; tests pin it)."""
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        client = getattr(exporter, "_client", None)
+        return type(exporter) is OTLPSpanExporter and callable(getattr(client, "export", None))
+
+    def put(self, request: bytes) -> None:
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1:
+                log.warning("OTLP export is behind; span batches are dropped")
+
+    def _run(self) -> None:
+        while (request := self._queue.get()) is not None:
+            try:
+                result = self._exporter._client.export(request)
+                if not result.success:
+                    log.warning("OTLP span export failed: %s", result.reason or result.error)
+            except Exception as exc:  # telemetry never breaks the caller
+                log.warning("OTLP span export failed: %s", exc)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def force_flush(self) -> None:
+        self._queue.join()
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._exporter.shutdown()
+
+
 def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dict[str, Any]) -> None:
-    """The exporting process: rebuild spans, hand them to the SDK's batch processors."""
+    """The exporting process: OTLP/HTTP exporters get request bytes from `OtlpEncoder`, any other
+    exporter rebuilt spans through the SDK's batch processor."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from kvlab.lifecycle import settle_gc
+    from kvlab.telemetry.otlp import OtlpEncoder
     from kvlab.telemetry.setup import build_exporter
 
     resource = Resource(resource_attrs)
     limits = SpanLimits()
-    processors = []
+    processors: list[BatchSpanProcessor] = []
+    byte_exports: list[_BytesExport] = []
     for name in exporter_names:
         try:
-            processors.append(BatchSpanProcessor(build_exporter(name)))
+            exporter = build_exporter(name)
+            if _BytesExport.accepts(exporter):
+                byte_exports.append(_BytesExport(exporter))
+            else:
+                processors.append(BatchSpanProcessor(exporter))
         except Exception as exc:  # telemetry never breaks the caller
             log.warning("trace exporter %s disabled: %s", name, exc)
+    encoder = OtlpEncoder(resource, limits, lambda packed: unpack(packed, resource, limits))
     decoder = msgspec.msgpack.Decoder()
-    settle_gc()   # it allocates a ReadableSpan and more per span, as a server does per request
+    settle_gc()   # it allocates per span, as a server does per request
     while True:
         try:
             msg = conn.recv_bytes()
@@ -108,14 +173,27 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
         if msg == _STOP:
             break
         if msg == _FLUSH:
+            for export in byte_exports:
+                export.force_flush()
             for proc in processors:
                 proc.force_flush()
             conn.send_bytes(_FLUSH)
             continue
-        for packed in decoder.decode(msg):
+        batch = decoder.decode(msg)
+        if byte_exports:
+            try:
+                request = encoder.encode(batch)
+            except Exception as exc:  # what OTLP cannot carry costs that batch, as in the SDK
+                log.warning("dropped %d spans: %s", len(batch), exc)
+            else:
+                for export in byte_exports:
+                    export.put(request)
+        for packed in batch if processors else ():
             span = unpack(packed, resource, limits)
             for proc in processors:
                 proc.on_end(span)
+    for export in byte_exports:
+        export.shutdown()
     for proc in processors:
         proc.shutdown()  # type: ignore[no-untyped-call]  # opentelemetry-sdk leaves it unannotated
 
