@@ -62,14 +62,10 @@ def _through_the_pipe(spans: list[ReadableSpan]) -> list[list]:
     return msgspec.msgpack.decode(msgspec.msgpack.encode([pack(s) for s in spans]))
 
 
-def _encoder(limits: SpanLimits) -> OtlpEncoder:
-    return OtlpEncoder(RESOURCE, limits, lambda p: unpack(p, RESOURCE, limits))
-
-
 def test_the_bytes_are_the_sdks_bytes() -> None:
     spans = _spans()
     limits = SpanLimits()
-    encoder = _encoder(limits)
+    encoder = OtlpEncoder(RESOURCE, limits)
     packed = _through_the_pipe(spans)
     for _ in range(2):   # the second pass is served from the cache
         mine = encoder.encode(packed)
@@ -84,7 +80,7 @@ def test_limits_are_the_sdks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "1")
     monkeypatch.setenv("OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", "1")
     limits = SpanLimits()
-    mine = _encoder(limits).encode(packed)
+    mine = OtlpEncoder(RESOURCE, limits).encode(packed)
     assert mine == encode_spans([unpack(p, RESOURCE, limits) for p in packed]).SerializePartialToString()
     request = ExportTraceServiceRequest.FromString(mine)
     served = [s for s in request.resource_spans[0].scope_spans[0].spans if s.kind == 2]   # SERVER
@@ -96,7 +92,7 @@ def test_attribute_length_limit_is_the_sdks(monkeypatch: pytest.MonkeyPatch) -> 
     packed = _through_the_pipe(_spans())
     monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "3")
     limits = SpanLimits()
-    mine = _encoder(limits).encode(packed)
+    mine = OtlpEncoder(RESOURCE, limits).encode(packed)
     assert mine == encode_spans([unpack(p, RESOURCE, limits) for p in packed]).SerializePartialToString()
     assert b"\xc3\xa9 \xe2\x9c\x93" in mine and "日本".encode() not in mine
 
@@ -115,7 +111,7 @@ def test_a_dead_collector_drops_batches_and_never_blocks(monkeypatch: pytest.Mon
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
     export = _BytesExport(build_exporter("otlp_proto_http"))
-    request = _encoder(SpanLimits()).encode(_through_the_pipe(_spans()))
+    request = OtlpEncoder(RESOURCE, SpanLimits()).encode(_through_the_pipe(_spans()))
     started = time.monotonic()
     for _ in range(50):
         export.put(request)

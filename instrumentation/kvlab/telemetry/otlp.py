@@ -1,13 +1,13 @@
-"""OTLP/protobuf request bytes written straight from the relay's packed spans.
+"""OTLP/protobuf request bytes written straight from the relay's packed spans (`relay.pack`).
 
 The SDK's encoder builds a protobuf message object per span, attribute and value in Python:
-~95 µs a gateway span, most of the export child's CPU (docs/benchmarks.md, "Tracing cost"). A
+~83 µs a gateway span, most of the export child's CPU (docs/benchmarks.md, "Tracing cost"). A
 span's wire form is simple, and most of its attributes repeat from request to request (model,
 provider, replica, policy, span role), so `OtlpEncoder` writes the wire bytes itself and keeps the
 encoded key-value of every recurring string or bool attribute.
 
 It writes what the SDK's `encode_spans` writes for the same spans (same fields, same order, same
-grouping by scope; tests/test_otlp_encoder.py parses both and compares). Any span outside the
+grouping by scope; tests/test_otlp_encoder.py compares the bytes). Any span outside the
 common shape (links, a non-scalar or unusual attribute, an `OTEL_*_LIMIT` that would cut it) is
 encoded by the SDK itself, so its limits and cleaning rules apply exactly.
 """
@@ -15,13 +15,15 @@ encoded by the SDK itself, so its limits and cleaning rules apply exactly.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
 from opentelemetry.trace import SpanContext, TraceFlags
+
+from kvlab.telemetry.relay import unpack
 
 _Packed = Sequence[Any]
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
@@ -73,11 +75,9 @@ def _scalar(value: Any) -> bytes | None:
 class OtlpEncoder:
     """ExportTraceServiceRequest bytes for batches of packed spans of one resource."""
 
-    def __init__(self, resource: Resource, limits: SpanLimits,
-                 fallback: Callable[[_Packed], Any]) -> None:
-        """`fallback` rebuilds one packed span as the SDK's ReadableSpan (kvlab.telemetry.relay's
-        `unpack`), for the spans this encoder leaves to the SDK."""
-        self._fallback = fallback
+    def __init__(self, resource: Resource, limits: SpanLimits) -> None:
+        self._resource = resource
+        self._limits = limits
         self._max_attrs = limits.max_span_attributes
         self._max_events = limits.max_events
         self._max_event_attrs = limits.max_event_attributes
@@ -85,7 +85,7 @@ class OtlpEncoder:
         # the resource is the same in every request: encoded once, by the SDK
         probe = ReadableSpan(name="resource", resource=resource,
                              context=SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED)))
-        self._resource = _field(b"\x0a", encode_spans([probe]).resource_spans[0].resource.SerializeToString())
+        self._resource_field = _field(b"\x0a", encode_spans([probe]).resource_spans[0].resource.SerializeToString())
         self._scopes: dict[tuple[str, str | None], bytes] = {}
         # encoded key-values by field tag (span attributes and event attributes differ)
         self._kv: dict[bytes, dict[tuple[str, Any], bytes]] = {b"\x4a": {}, b"\x1a": {}}
@@ -99,7 +99,7 @@ class OtlpEncoder:
             by_scope.setdefault((packed[14], packed[15]), []).append(span)
         scope_spans = b"".join(_field(b"\x12", self._scope(scope) + b"".join(spans))
                                for scope, spans in by_scope.items())
-        return _field(b"\x0a", self._resource + scope_spans)
+        return _field(b"\x0a", self._resource_field + scope_spans)
 
     def _scope(self, scope: tuple[str, str | None]) -> bytes:
         encoded = self._scopes.get(scope)
@@ -118,7 +118,8 @@ class OtlpEncoder:
         cache = self._kv[tag]
         parts = []
         for key, value in attrs.items():
-            kv = cache.get((key, value)) if type(value) is str or type(value) is bool else None
+            recurring = type(value) is str or type(value) is bool   # ints and floats are counts, ids, times
+            kv = cache.get((key, value)) if recurring else None
             if kv is None:
                 if type(key) is not str or not key:
                     return None
@@ -126,7 +127,7 @@ class OtlpEncoder:
                 if any_value is None:
                     return None
                 kv = _field(tag, _text(b"\x0a", key) + _field(b"\x12", any_value))
-                if type(value) is str or type(value) is bool:
+                if recurring:
                     if len(cache) >= _CACHE_MAX:
                         cache.clear()
                     cache[(key, value)] = kv
@@ -163,5 +164,5 @@ class OtlpEncoder:
     def _sdk_span(self, packed: _Packed) -> bytes:
         """One span as the SDK encodes it (its limits, cleaning and error for what OTLP cannot
         carry apply)."""
-        request = encode_spans([self._fallback(packed)])
+        request = encode_spans([unpack(packed, self._resource, self._limits)])
         return _field(b"\x12", request.resource_spans[0].scope_spans[0].spans[0].SerializeToString())

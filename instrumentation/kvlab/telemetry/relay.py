@@ -162,7 +162,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
                 processors.append(BatchSpanProcessor(exporter))
         except Exception as exc:  # telemetry never breaks the caller
             log.warning("trace exporter %s disabled: %s", name, exc)
-    encoder = OtlpEncoder(resource, limits, lambda packed: unpack(packed, resource, limits))
+    encoder = OtlpEncoder(resource, limits) if byte_exports else None
     decoder = msgspec.msgpack.Decoder()
     settle_gc()   # it allocates per span, as a server does per request
     while True:
@@ -180,7 +180,7 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
             conn.send_bytes(_FLUSH)
             continue
         batch = decoder.decode(msg)
-        if byte_exports:
+        if encoder is not None:
             try:
                 request = encoder.encode(batch)
             except Exception as exc:  # what OTLP cannot carry costs that batch, as in the SDK
