@@ -15,7 +15,9 @@ the baseline tree (`--baseline`, default: the commit before issue 21's tracing w
 `git archive` into a temporary directory) with the SDK's spans exported in-process; the SDK's spans
 exported by the child process (kvlab.telemetry.relay, `KVLAB_TRACES_EXPORT_PROCESS=sdk`) with
 either GC; kvlab's span recorder (kvlab.telemetry.recorder) without export and with the child's
-export (the default); and the default with a 10 % parent-based sample decided by the client. Each
+export (the default export path), every request sampled; and that export path with the client
+deciding as a load test does: a 10 % parent-based sample, or kvlab's default sampler (at most 200
+new traces a second, kvlab.telemetry.sampling, what a Locust user of `kvlab load` uses). Each
 cost is relative to the "tracing off" row with the same GC settings. Columns: req/s at saturation
 and its cost; the gateway process's own CPU per request over the same window and the cost that
 implies on a core of its own (1 - off/setup: the steadier figure on a shared machine), from the
@@ -45,12 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from opentelemetry.sdk.trace.sampling import Decision
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from kvlab.lifecycle import GC_GEN0_ENV, terminate, wait_http
 from kvlab.stack.local import free_port
+from kvlab.telemetry.sampling import DEFAULT_TRACES_PER_S, RateLimited
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -65,6 +69,7 @@ class Setup:
     env: dict[str, str]
     tree: str = "current"          # current | baseline
     sample_ratio: float = 1.0      # the client's sampling decision (sampled flag of its traceparent)
+    traces_per_s: float | None = None   # else kvlab's default sampler decides it, at this many traces/s
     reference: int | None = None   # the "tracing off" setup its costs are relative to
     cpus: list[float] = field(default_factory=list)   # gateway CPU µs/request of each round
     result: dict[str, float] = field(default_factory=dict)
@@ -103,20 +108,36 @@ def baseline_tree(rev: str, into: Path) -> Path:
     return into / "instrumentation"
 
 
-def traceparent(rng: random.Random, ratio: float) -> str:
-    sampled = "01" if rng.random() < ratio else "00"
-    return f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-{sampled}"
+class Client:
+    """The load's root sampling decision: a share of the traces, or kvlab's default sampler (at most
+    N new traces a second, `kvlab.telemetry.sampling`) as a Locust user of `kvlab load` decides it."""
+
+    def __init__(self, seed: int, ratio: float, traces_per_s: float | None) -> None:
+        self.rng = random.Random(seed)
+        self.ratio = ratio
+        self.sampler = RateLimited(traces_per_s) if traces_per_s else None
+
+    def traceparent(self) -> str:
+        trace_id = self.rng.getrandbits(128)
+        if self.sampler is not None:
+            sampled = self.sampler.should_sample(None, trace_id, "client").decision is Decision.RECORD_AND_SAMPLE
+        else:
+            sampled = self.rng.random() < self.ratio
+        return f"00-{trace_id:032x}-{self.rng.getrandbits(64):016x}-{'01' if sampled else '00'}"
 
 
-async def throughput(url: str, seconds: float, concurrency: int, ratio: float) -> float:
-    rng = random.Random(0)
+def client(setup: Setup, seed: int) -> Client:
+    return Client(seed, setup.sample_ratio, setup.traces_per_s)
+
+
+async def throughput(url: str, seconds: float, concurrency: int, client: Client) -> float:
     done = 0
     stop_at = time.perf_counter() + seconds
 
     async def worker(s: aiohttp.ClientSession) -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            hdr = {"Content-Type": "application/json", "traceparent": traceparent(rng, ratio)}
+            hdr = {"Content-Type": "application/json", "traceparent": client.traceparent()}
             async with s.post(url + "/v1/completions", data=PAYLOAD, headers=hdr) as r:
                 await r.read()
                 if r.status != 200:
@@ -128,16 +149,15 @@ async def throughput(url: str, seconds: float, concurrency: int, ratio: float) -
     return done / seconds
 
 
-async def added_latency(direct: str, via: str, n: int, ratio: float) -> list[float]:
+async def added_latency(direct: str, via: str, n: int, client: Client) -> list[float]:
     """Per pair of sequential requests (one direct, one via the gateway, order alternating): the
     difference, in ms. Pairs cancel most of the machine's noise out of the difference."""
-    rng = random.Random(1)
     out = []
     async with aiohttp.ClientSession() as s:
         for i in range(n + 30):
             times = {}
             for url in ((direct, via) if i % 2 else (via, direct)):
-                hdr = {"Content-Type": "application/json", "traceparent": traceparent(rng, ratio)}
+                hdr = {"Content-Type": "application/json", "traceparent": client.traceparent()}
                 t0 = time.perf_counter()
                 async with s.post(url + "/v1/completions", data=PAYLOAD, headers=hdr) as r:
                     await r.read()
@@ -200,8 +220,10 @@ def main() -> int:
         Setup("SDK spans, child-process export, settled GC", sdk_relay, reference=3),
         Setup("recorder, not exported, settled GC", {"OTEL_TRACES_EXPORTER": "none",
                                                      "OTEL_TRACES_SAMPLER": "always_on"}, reference=3),
-        Setup("recorder, child-process export, settled GC (default)", otlp, reference=3),
-        Setup("default, the client samples 10 %, parent-based", otlp, sample_ratio=0.1, reference=3),
+        Setup("recorder, child-process export, settled GC, 100 % sampled", otlp, reference=3),
+        Setup("the same, the client samples 10 %, parent-based", otlp, sample_ratio=0.1, reference=3),
+        Setup(f"the same, kvlab's default sampler at the client (<= {DEFAULT_TRACES_PER_S:g} traces/s)", otlp,
+              traces_per_s=DEFAULT_TRACES_PER_S, reference=3),
     ]
     ready = work / "sim-ready.json"
     sim_cmd = [PY, "-m", "kvlab.cli", "engine", "sim", "--replicas", "2", "--time-scale", "0.0001",
@@ -268,7 +290,7 @@ def soak(setups: list[Setup], endpoints: str, args: argparse.Namespace) -> Table
                      url + "/metrics") as gw:
             samples = [rss_mib(gw.pid)]
             for _ in range(6):
-                asyncio.run(throughput(url, args.soak / 6, args.concurrency, setup.sample_ratio))
+                asyncio.run(throughput(url, args.soak / 6, args.concurrency, client(setup, 0)))
                 samples.append(rss_mib(gw.pid))
         table.add_row(setup.label, " → ".join(f"{x:.0f}" for x in samples))
     return table
@@ -285,15 +307,15 @@ def measure(setup: Setup, endpoints: str, direct: str, base_path: Path, args: ar
     path = base_path if setup.tree == "baseline" else ROOT / "instrumentation"
     env = {**setup.env, "PYTHONPATH": str(path)}
     with started(gateway_cmd(port, endpoints), env, url + "/metrics") as gw:
-        asyncio.run(throughput(url, 1.0, args.concurrency, setup.sample_ratio))   # warm-up
+        asyncio.run(throughput(url, 1.0, args.concurrency, client(setup, 0)))   # warm-up
         own0, all0, rss0 = cpu_seconds_own(gw.pid), cpu_seconds(gw.pid), rss_mib(gw.pid)
-        rps = asyncio.run(throughput(url, args.seconds, args.concurrency, setup.sample_ratio))
+        rps = asyncio.run(throughput(url, args.seconds, args.concurrency, client(setup, 0)))
         n = rps * args.seconds
         own_us = (cpu_seconds_own(gw.pid) - own0) / n * 1e6
         child_us = (cpu_seconds(gw.pid) - all0) / n * 1e6 - own_us
         rss1 = rss_mib(gw.pid)
         setup.cpus.append(own_us)
-        lat = asyncio.run(added_latency(direct, url, args.latency_requests, setup.sample_ratio))
+        lat = asyncio.run(added_latency(direct, url, args.latency_requests, client(setup, 1)))
     best = setup.result.get("rps", 0.0)
     if rps > best:   # best of the rounds: a co-tenant's burst only ever slows a round down
         setup.result = {**setup.result, "rps": rps, "p50": pct(lat, 50), "p99": pct(lat, 99)}

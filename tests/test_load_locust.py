@@ -10,11 +10,12 @@ import msgspec
 import pytest
 import requests
 
-from conftest import sim_process
+from conftest import FakeHandler, http_server, sim_process
 from kvlab.load.measure import Record, chat_body, stream_chat
 from kvlab.load.runner import run_bench
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import create
+from kvlab.telemetry.sink import parse_traces, to_otlp_json
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +76,28 @@ def test_bench_writes_records_summary_and_locust_csv(replica, tmp_path):
     assert ("TTFT", "chat") in final and ("ITL", "chat") in final
     report = (tmp_path / "locust.html").read_text()   # Locust's own HTML report, per phase
     assert "<html" in report.lower() and "chat" in report and "TTFT" in report
+
+
+def test_the_client_samples_what_the_topology_says(replica, tmp_path):
+    """The load generator roots every trace, so `observability.sample_ratio` (BenchSpec's
+    `trace_sample_ratio`) must reach it; by default (kvlab's sampler) every trace at this rate is kept."""
+    spans: list[int] = []
+
+    class Receiver(FakeHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            otlp = to_otlp_json(parse_traces(body, self.headers.get("Content-Type", "")))
+            spans.append(sum(len(ss["spans"]) for rs in otlp["resourceSpans"] for ss in rs["scopeSpans"]))
+            self.reply(200, b"", "application/x-protobuf")
+
+    spec = BenchSpec(workload="shared-prefix", params={"groups": 1, "system_tokens": 100, "output_tokens": 2},
+                     users=2, duration_s=2, seed=1, min_requests=3)
+    with http_server(Receiver) as url:
+        default = run_bench(replica["url"], tmp_path / "default", spec, otlp_endpoint=url)
+        kept = sum(spans)
+        spans.clear()
+        none = run_bench(replica["url"], tmp_path / "none", msgspec.structs.replace(spec, trace_sample_ratio=0.0),
+                         otlp_endpoint=url)
+    assert default.ok >= 3 and none.ok >= 3
+    assert kept >= default.requests     # at least the client span of every request
+    assert sum(spans) == 0

@@ -99,7 +99,8 @@ def bench_spec(args: argparse.Namespace, topology: Topology, preset: dict[str, f
     create(name, seed=args.seed, params=params)
     return BenchSpec(workload=name, params=params, users=args.users or int(preset["users"]),
                      duration_s=args.duration or preset["duration"], seed=args.seed, model=topology.model,
-                     min_requests=args.min_requests, limit_s=args.phase_limit)
+                     min_requests=args.min_requests, limit_s=args.phase_limit,
+                     trace_sample_ratio=topology.observability.sample_ratio)
 
 
 def _run_dir(args: argparse.Namespace, label: str) -> Path:

@@ -209,7 +209,8 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
     number = 1 + max([int(p.name.split("-")[1]) for p in run.glob("phase-*-*") if p.name.split("-")[1].isdigit()],
                      default=0)
     spec = BenchSpec(workload=workload, params=params or {}, users=users, duration_s=duration_s, seed=seed,
-                     model=stack["model"], min_requests=min_requests)
+                     model=stack["model"], min_requests=min_requests,
+                     trace_sample_ratio=(stack.get("topology") or {}).get("observability", {}).get("sample_ratio", 1.0))
     display = _Display(stack)
     stack_ = AttachedStack.of(stack)
     before = replica_metrics(stack)   # counters only grow: a reset or a gateway start does not move them

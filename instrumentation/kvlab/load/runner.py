@@ -19,6 +19,7 @@ from kvlab.lifecycle import terminate
 from kvlab.load.measure import Record, record_of
 from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import Summary, summarize
+from kvlab.telemetry.sampling import ratio_env
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
 RAMP_SHAPE = Path(__file__).with_name("ramp_shape.py")
@@ -111,7 +112,7 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "requests.jsonl"
     jsonl.unlink(missing_ok=True)
-    env = dict(os.environ, OTEL_SERVICE_NAME="kvlab-locust")
+    env = dict(os.environ, OTEL_SERVICE_NAME="kvlab-locust", **ratio_env(spec.trace_sample_ratio))
     if otlp_endpoint:   # else the user's own OTEL_* settings, if any, apply (kvlab bench)
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     # Locust's own run time is the hard limit; the minimum is checked here, and met, Locust is stopped

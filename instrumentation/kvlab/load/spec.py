@@ -27,3 +27,5 @@ class BenchSpec(Strict, frozen=True):
     ramp: Ramp | None = None
     min_requests: int = 0
     limit_s: float | None = None
+    trace_sample_ratio: float = 1.0     # < 1: the client samples this share of traces (the topology's
+                                        # observability.sample_ratio); else kvlab's default sampler

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvlab.lifecycle import free_port
+from kvlab.telemetry.sampling import ratio_env
 from kvlab.topology import GatewaySettings, Pool, SimSettings, Topology, VllmSettings
 
 __all__ = ["HOST", "KVLAB", "child_env", "engine_argv", "free_port", "gateway_args", "otel_env",
@@ -83,11 +84,8 @@ def otel_env(service: str, otlp_endpoint: str | None, sample_ratio: float = 1.0)
     exported every second so a learner's trace shows up at once), or no export at all."""
     if not otlp_endpoint:
         return {"OTEL_SERVICE_NAME": service, "OTEL_TRACES_EXPORTER": "none"}
-    env = {"OTEL_SERVICE_NAME": service, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
-           "OTEL_BSP_SCHEDULE_DELAY": "1000"}
-    if sample_ratio < 1.0:
-        env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(sample_ratio)}
-    return env
+    return {"OTEL_SERVICE_NAME": service, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "1000", **ratio_env(sample_ratio)}
 
 
 def child_env(service: str, otlp_endpoint: str | None, sample_ratio: float = 1.0,

@@ -32,7 +32,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import Decision, ParentBased
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 from opentelemetry.trace.status import Status, StatusCode
 from opentelemetry.util import types
@@ -240,10 +240,11 @@ class RecorderProvider(trace_api.TracerProvider):
     """The global TracerProvider of a server whose spans go through a `SpanRelay` (or nowhere, when
     no exporter is configured: spans are still made, so trace context still propagates)."""
 
-    def __init__(self, resource: Resource, relay: SpanRelay | None) -> None:
+    def __init__(self, resource: Resource, relay: SpanRelay | None, sampler: Sampler | None = None) -> None:
         self.resource = resource
         self.relay = relay
-        sdk = TracerProvider(resource=resource, shutdown_on_exit=False)   # its sampler from OTEL_TRACES_SAMPLER[_ARG]
+        # None: the SDK's sampler from OTEL_TRACES_SAMPLER[_ARG]
+        sdk = TracerProvider(resource=resource, shutdown_on_exit=False, sampler=sampler)
         self.sampler = sdk.sampler
         self.ids = sdk.id_generator
         atexit.register(self.shutdown)   # as the SDK's provider does: spans still pending are sent

@@ -5,7 +5,9 @@ Python SDK defines for traces is read by the SDK itself; this module only wires 
 
 - `OTEL_PROPAGATORS`: the API builds the global propagator from it at import (default
   `tracecontext,baggage`); nothing here replaces it.
-- `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`: the SDK's TracerProvider reads them.
+- `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`: the SDK's TracerProvider reads its own names;
+  other names are the SDK's `opentelemetry_traces_sampler` entry points. Unset, kvlab's processes
+  sample at most 200 new traces a second, parent-based (`kvlab.telemetry.sampling`).
 - `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES`: the SDK's resource detector; they win over the
   service name the caller passes (that one is only the default).
 - `OTEL_TRACES_EXPORTER`: exporter names from the SDK's `opentelemetry_traces_exporter` entry
@@ -33,6 +35,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from kvlab.telemetry.recorder import RecorderProvider
 from kvlab.telemetry.relay import SpanRelay
+from kvlab.telemetry.sampling import sampler_from_env
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +116,11 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
     if mode == "recorder" and (extra is not None or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"):
         mode = "relay"
     provider: TracerProvider | RecorderProvider
+    sampler = sampler_from_env()   # None: the SDK's own name, read by its TracerProvider
     if mode == "recorder":
-        provider = RecorderProvider(resource, SpanRelay(names, resource) if names else None)
+        provider = RecorderProvider(resource, SpanRelay(names, resource) if names else None, sampler)
     else:
-        provider = sdk_provider = TracerProvider(resource=resource)   # sampler from OTEL_TRACES_SAMPLER[_ARG]
+        provider = sdk_provider = TracerProvider(resource=resource, sampler=sampler)
         if mode == "relay" and names:
             sdk_provider.add_span_processor(SpanRelay(names, resource))
         else:
