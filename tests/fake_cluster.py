@@ -1,9 +1,10 @@
 """The fake cluster `kvlab lab --cluster` and the notebooks' kind targets are tested against.
 
 `FakeCore` is a CoreV1Api with what the cluster path calls: it lists real V1Pod objects and
-forwards each pod-proxy POST to the simulator replica that stands in for that pod (a pod without
-one answers 404, like vLLM without VLLM_SERVER_DEV_MODE). Every POST is appended to `posts` and,
-when `log` is given, to a JSON-lines file, so a test can read what a notebook kernel did.
+forwards each pod-proxy POST and GET to the simulator replica that stands in for that pod (a pod
+without one answers 404, like vLLM without VLLM_SERVER_DEV_MODE). Every POST is appended to `posts`
+and, when `log` is given, to a JSON-lines file, so a test can read what a notebook kernel did;
+every GET to `gets`.
 
 `install(spec_file)` wires it into a process that is not the test's (a notebook kernel): it
 replaces `forward.cluster_target` (the Service URLs) and `caches.core_api` (the API server) the
@@ -49,6 +50,7 @@ class FakeCore:
         self.pods, self.urls, self.log = pods, urls, log
         self.listed: list[tuple[str, str]] = []
         self.posts: list[tuple[float, str, str, str]] = []
+        self.gets: list[tuple[str, str]] = []
 
     def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_: object) -> V1PodList:
         self.listed.append((namespace, label_selector))
@@ -71,6 +73,15 @@ class FakeCore:
                 with self.log.open("a") as fh:
                     fh.write(json.dumps({"t": post[0], "target": name, "namespace": namespace, "path": path,
                                          "status": status, "done": time.time()}) + "\n")
+
+
+    def connect_get_namespaced_pod_proxy_with_path(self, name: str, namespace: str, path: str, **_: object) -> str:
+        self.gets.append((name, path))
+        url = self.urls.get(name.split(":", maxsplit=1)[0])
+        if url is None:
+            raise ApiException(status=404, reason="Not Found")
+        with urllib.request.urlopen(f"{url}/{path}", timeout=10) as resp:
+            return str(resp.read().decode())
 
 
 def install(spec_file: str) -> FakeCore:

@@ -170,34 +170,24 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
     `--policies` names: baseline, gateway-api, llm-d, the gateway's policy) of a kind cluster deployed
     with `kvlab cluster deploy`, each after resetting every replica pod's prefix cache."""
     from kvlab.stack.kind.cluster import ClusterStack
-    from kvlab.stack.kind.phases import lab_plan, print_lab_plan
+    from kvlab.stack.kind.phases import kind_cluster, lab_plan, policy_warning, print_lab_plan
 
     policy = topology.gateway.policy
     planned = lab_plan(None if args.policies == DEFAULT_POLICIES else args.policies.split(","), topology)
     if args.dry_run:
-        from kvlab.stack.kind.objects import Cluster
-
-        print_lab_plan(planned, topology, Cluster(namespace=args.namespace, name=args.context.removeprefix("kind-")),
-                       console.file)
+        print_lab_plan(planned, topology, kind_cluster(args.context, args.namespace), console.file)
         return None
     phases = [Phase(p.name, p.policy, entry=p.target) for p in planned]
     run_dir = _run_dir(args, "lab")
     console.rule(f"[bold]kvlab lab --cluster[/bold] {run_dir.name}")
     console.print(f"cluster {args.context}/{args.namespace} · {_plan(spec, phases)}")
     started = time.monotonic()
-    stack = ClusterStack(run_dir, args.context, args.namespace, topology=topology.name, policy=policy,
-                         warn=lambda m: console.print(m, style="yellow", markup=False))
-    stack.start()
-    try:
-        with RichDisplay(console, waiting="resetting prefix caches...") as display:
-            results = run_phases(stack, spec, phases, run_dir, display)
-    finally:
-        stack.stop()
-    answered = {r.policy for res in results if res.phase.entry == "gateway"
-                for r in res.records if r.policy} - {policy}
-    if answered:
-        console.print(f"[yellow]warning: the gateway answered with policy {', '.join(sorted(answered))}, not "
-                      f"{policy}: pass the --topology you deployed[/yellow]")
+    with ClusterStack(run_dir, args.context, args.namespace, topology=topology.name, policy=policy,
+                      warn=lambda m: console.print(m, style="yellow", markup=False)) as stack, \
+            RichDisplay(console, waiting="resetting prefix caches...") as display:
+        results = run_phases(stack, spec, phases, run_dir, display)
+    if warning := policy_warning(results, policy):
+        console.print(warning, style="yellow", markup=False)
     resets = {r.phase.name: r.resets for r in results}
     pods = sorted({k.rsplit(":", 1)[0] for r in resets.values() for k in r})
     where = {"context": args.context, "namespace": args.namespace}

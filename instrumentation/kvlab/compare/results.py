@@ -4,12 +4,12 @@ The hit rate is the engine's (`cached_tokens` over prompt tokens of the successf
 the engine reported them in each response's usage); its share of the oracle divides it by the
 ceiling `kvlab.load.oracle` computes for exactly the requests that router completed, in the order
 it sent them. Balance comes from the replicas' own request counters (`vllm:request_success_total`
-before and after), so it holds for routers that say nothing about where they sent a request.
+before and after; on a cluster read through the API server's pod proxy), so it holds for routers
+that say nothing about where they sent a request.
 """
 
 from __future__ import annotations
 
-import urllib.request
 from typing import Any
 
 import msgspec
@@ -82,19 +82,11 @@ def kv_path_warning(r: Row) -> str | None:
     return f"{r.router}: {why}; it routed by load alone (docs/compare.md, \"Is a peer's KV path engaged?\")"
 
 
-def request_counts(replicas: list[dict[str, Any]]) -> dict[str, float]:
-    """Each replica's `vllm:request_success_total` now (a replica that does not answer is left out)."""
+def request_counts(pages: dict[str, list[str]]) -> dict[str, float]:
+    """Each replica's `vllm:request_success_total` in its Prometheus pages (a stack's `replica_metrics()`)."""
     wanted = names.VLLM_REQUEST_SUCCESS + "_total"
-    out: dict[str, float] = {}
-    for r in replicas:
-        try:
-            with urllib.request.urlopen(f"{r['url']}/metrics", timeout=5) as resp:
-                text = resp.read().decode()
-        except OSError:
-            continue
-        out[r["name"]] = sum(s.value for f in text_string_to_metric_families(text)
-                             for s in f.samples if s.name == wanted)
-    return out
+    return {replica: sum(s.value for text in texts for f in text_string_to_metric_families(text)
+                         for s in f.samples if s.name == wanted) for replica, texts in pages.items()}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

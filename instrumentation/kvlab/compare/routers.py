@@ -5,7 +5,8 @@ A router is named on the command line and is one of:
 - a kvlab preset (`round-robin`, `prefix`, `kv-aware`, ...): the stack's own `kvlab gateway`;
 - `vllm-router:<policy>`: vllm-router (`pip install 'kvlab[peers]'`) started here, fed the
   replicas' URLs and, for `kv_aware`, their KV-event endpoints;
-- any router given as `--router 'NAME=COMMAND'`: a command template started here.
+- any router given as `--router 'NAME=COMMAND'`: a command template started here;
+- on a kind cluster (`kvlab compare --cluster`, compare/cluster.py), one of its front doors.
 
 Peers are command templates too (`VLLM_ROUTER` below), so there is one way to start a router. In a
 template `{host}`, `{port}` (where the router must listen), `{metrics_port}` (a second free port, for
@@ -25,7 +26,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from rich.console import Console
@@ -35,7 +36,8 @@ from kvlab.compare.results import KV_PREFIX, metric_counters
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
-from kvlab.stack.base import StackInfo
+from kvlab.run.phases import Phase
+from kvlab.stack.base import Stack, StackInfo
 from kvlab.stack.launch import HOST
 from kvlab.stack.local import LocalStack
 from kvlab.stack.process import Child
@@ -50,14 +52,23 @@ PER_REPLICA = ("{url}", "{kv_events}", "{replica}")
 
 
 class Router(msgspec.Struct, frozen=True):
-    """One router to compare: `template` is None for a kvlab preset (served by `kvlab gateway`)."""
+    """One router to compare, by the name it was given: a kvlab preset (served by `kvlab gateway`),
+    a peer started from `template`, or a cluster's front door `entry` routed by `policy`."""
 
     name: str
     template: str | None = None
+    policy: str | None = None   # what routes it, when not its name (a cluster's kube-proxy, llm-d, gateway preset)
+    entry: str | None = None    # a cluster's front door: baseline, gateway, gateway-api, llm-d
+
+    @property
+    def phase(self) -> Phase:
+        """The phase `run_phases` benches it in."""
+        return Phase(self.name, self.policy or self.name, entry=self.entry)
 
     @property
     def peer(self) -> bool:
-        return self.template is not None
+        """Not routed by kvlab: a started peer, a cluster's kube-proxy or llm-d."""
+        return self.phase.policy not in PRESETS
 
 
 def vllm_router(policy: str) -> str:
@@ -96,13 +107,19 @@ def _check_template(name: str, template: str) -> None:
                           "{metrics_port} {model} {block_size} {url} {kv_events} {replica}") from None
 
 
+def unique(names: list[str]) -> list[str]:
+    """`names` unchanged; a name given twice is a ConfigError (each router gets one row)."""
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"router {name!r} is named twice")
+    return names
+
+
 def resolve(names: list[str], custom: dict[str, str] | None = None) -> list[Router]:
     """The routers `names` name, in order; an unknown or repeated name is a ConfigError listing the choices."""
     custom = custom or {}
     out: list[Router] = []
-    for name in names:
-        if name in (r.name for r in out):
-            raise ConfigError(f"router {name!r} is named twice")
+    for name in unique(names):
         if name in PRESETS:
             out.append(Router(name))
         elif name.startswith("vllm-router:"):
@@ -153,6 +170,22 @@ def capacity(topology: Topology) -> tuple[int, int | None]:
     return s.block_size, s.num_blocks
 
 
+class RoutedStack(Stack, Protocol):
+    """What `kvlab compare` measures routers on: a local `RouterStack` or a kind cluster's `ClusterStack`."""
+
+    def replica_names(self) -> list[str]:
+        """The replicas behind every router (the oracle pools their caches)."""
+        ...
+
+    def replica_metrics(self) -> dict[str, list[str]]:
+        """Each replica's Prometheus page(s) now, one per HTTP port; a replica that does not answer is left out."""
+        ...
+
+    def peer_counters(self) -> dict[str, float]:
+        """The running peer's own KV-path counters (empty when there are none to read)."""
+        ...
+
+
 class RouterStack:
     """A local stack whose `gateway_for` also starts peers: the one way `kvlab compare` and
     `kvlab lab` switch routers. kvlab presets go to the stack's own gateway; a peer is started on
@@ -183,6 +216,19 @@ class RouterStack:
 
     def describe(self) -> StackInfo:
         return self.base.describe()
+
+    def replica_names(self) -> list[str]:
+        return [r["name"] for r in self.base.replicas]
+
+    def replica_metrics(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for r in self.base.replicas:
+            try:
+                with urllib.request.urlopen(f"{r['url']}/metrics", timeout=5) as resp:
+                    out[r["name"]] = [resp.read().decode()]
+            except OSError:
+                continue
+        return out
 
     def peer_counters(self) -> dict[str, float]:
         """The running peer's own KV-path counters (vllm-router's `vllm_router_kv_*_total`); empty for

@@ -24,10 +24,26 @@ def core_api(context: str | None) -> Any:
     return client.CoreV1Api(api_client(context))
 
 
-def _http_ports(pod: Any) -> list[int]:
+def http_ports(pod: Any) -> list[int]:
+    """A replica pod's HTTP ports: one per (simulated) data-parallel rank."""
     ports = [p.container_port for c in (pod.spec.containers if pod.spec else ()) for p in c.ports or ()
              if (p.name or "").startswith("http")]
     return ports or [o.API_PORT]
+
+
+def ready_replicas(core: Any, namespace: str) -> list[Any]:
+    """The ready replica pods (the gateway's discovery selector), by name; a StackError when they
+    cannot be listed or none is ready."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        pods = core.list_namespaced_pod(namespace, label_selector=o.REPLICA_SELECTOR).items
+    except ApiException as exc:
+        raise StackError(f"cannot list replica pods in {namespace}: {exc.status} {exc.reason}") from None
+    ready = sorted((p for p in pods if pod_ready(p)), key=lambda p: p.metadata.name)
+    if not ready:
+        raise StackError(f"no ready replica pod ({o.REPLICA_SELECTOR}) in {namespace}: `kvlab cluster status`")
+    return ready
 
 
 def reset_prefix_caches(context: str | None = "kind-kvlab", namespace: str = "kvlab",
@@ -39,16 +55,9 @@ def reset_prefix_caches(context: str | None = "kind-kvlab", namespace: str = "kv
     from urllib3.exceptions import HTTPError
 
     core = core or core_api(context)
-    try:
-        pods = core.list_namespaced_pod(namespace, label_selector=o.REPLICA_SELECTOR).items
-    except ApiException as exc:
-        raise StackError(f"cannot list replica pods in {namespace}: {exc.status} {exc.reason}") from None
-    ready = sorted((p for p in pods if pod_ready(p)), key=lambda p: p.metadata.name)
-    if not ready:
-        raise StackError(f"no ready replica pod ({o.REPLICA_SELECTOR}) in {namespace}: `kvlab cluster status`")
     results: dict[str, str | None] = {}
-    for pod in ready:
-        for port in _http_ports(pod):
+    for pod in ready_replicas(core, namespace):
+        for port in http_ports(pod):
             target = f"{pod.metadata.name}:{port}"
             try:
                 core.connect_post_namespaced_pod_proxy_with_path(target, namespace, path="reset_prefix_cache",

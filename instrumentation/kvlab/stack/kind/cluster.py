@@ -4,8 +4,9 @@ It starts nothing: the replicas, the gateway and the cache-blind baseline Servic
 `gateway_for("kube-proxy")` is the baseline Service, any other policy the kvlab gateway (which
 routes with the policy it was deployed with); caches are reset through the API server's pod
 proxy on every ready replica pod (`caches.reset_prefix_caches`); the client's spans go to the
-in-cluster Jaeger through a port-forward when one can be opened. `kvlab lab --cluster` and the
-notebooks' kind targets both use it (issue 18 item 4).
+in-cluster Jaeger through a port-forward when one can be opened. `kvlab lab --cluster`,
+`kvlab compare --cluster` (which also reads each replica pod's request counter through the pod
+proxy) and the notebooks' kind targets use it (issue 18 item 4).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab.stack.base import StackInfo
-from kvlab.stack.kind import caches, forward
+from kvlab.stack.kind import caches, forward, metrics
 
 BASELINE = "kube-proxy"   # the baseline phase's "policy": kube-proxy's per-connection spreading
 KIND_URLS = {"jaeger": "http://127.0.0.1:30686", "prometheus": "http://127.0.0.1:30090",
@@ -72,6 +73,18 @@ class ClusterStack:
         self.resets.append(result)
         return result
 
+    def replica_names(self) -> list[str]:
+        """The ready replica pods (the ones `reset_caches` resets)."""
+        return [p.metadata.name for p in caches.ready_replicas(caches.core_api(self.context), self.namespace)]
+
+    def replica_metrics(self) -> dict[str, list[str]]:
+        """Each ready replica pod's /metrics, one page per HTTP port, through the pod proxy."""
+        return metrics.replica_metrics(self.context, self.namespace)
+
+    def peer_counters(self) -> dict[str, float]:
+        """Nothing: kube-proxy keeps no routing counters and llm-d's scheduler's metrics are not read."""
+        return {}
+
     def served_model(self) -> str:
         """The model name the gateway serves (whatever the target)."""
         with urllib.request.urlopen(f"{self.url('gateway')}/v1/models", timeout=10) as resp:
@@ -89,3 +102,10 @@ class ClusterStack:
         if self._otlp is not None:
             self._otlp.close()
             self._otlp = None
+
+    def __enter__(self) -> ClusterStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
