@@ -6,7 +6,7 @@ Stack: `kvlab engine sim` replicas at a tiny time scale (the engine answers in m
 modelled time, so the gateway is the bottleneck), one `kvlab gateway` (kv-aware), an OTLP/HTTP
 receiver that accepts and drops spans (the collector's own cost is not the gateway's), and this
 process as the load: a closed loop of `--concurrency` clients for `--seconds` per setup, every
-request a client root span's W3C `traceparent` (sampled or not, as a Locust user of `kvlab load`
+request a client root span's W3C `traceparent` (sampled or not, as a Locust user of `kvlab bench`
 sends it). Each setup restarts only the gateway with other settings; the replicas never trace.
 
 Setups, all at 100 % sampling unless said: tracing off with the interpreter's GC settings
@@ -17,7 +17,7 @@ exported by the child process (kvlab.telemetry.relay, `KVLAB_TRACES_EXPORT_PROCE
 either GC; kvlab's span recorder (kvlab.telemetry.recorder) without export and with the child's
 export (the default export path), every request sampled; and that export path with the client
 deciding as a load test does: a 10 % parent-based sample, or kvlab's default sampler (at most 200
-new traces a second, kvlab.telemetry.sampling, what a Locust user of `kvlab load` uses). Each
+new traces a second, kvlab.telemetry.sampling, what a Locust user of `kvlab bench` uses). Each
 cost is relative to the "tracing off" row with the same GC settings. Columns: req/s at saturation
 and its cost; the gateway process's own CPU per request over the same window and the cost that
 implies on a core of its own (1 - off/setup: the steadier figure on a shared machine), from the
@@ -110,7 +110,7 @@ def baseline_tree(rev: str, into: Path) -> Path:
 
 class Client:
     """The load's root sampling decision: a share of the traces, or kvlab's default sampler (at most
-    N new traces a second, `kvlab.telemetry.sampling`) as a Locust user of `kvlab load` decides it."""
+    N new traces a second, `kvlab.telemetry.sampling`) as a Locust user of `kvlab bench` decides it."""
 
     def __init__(self, seed: int, ratio: float, traces_per_s: float | None) -> None:
         self.rng = random.Random(seed)
