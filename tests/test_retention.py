@@ -8,7 +8,6 @@ import json
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.test_sim_server import MODEL, run_with_replica
 
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.retention import (
@@ -24,6 +23,7 @@ from kvlab.engine.sim.scheduler import Request, Scheduler
 from kvlab.errors import RequestError
 from kvlab.kvcache.events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from kvlab.telemetry import names
+from test_sim_server import MODEL, run_with_replica
 
 
 def _cached(pool: BlockPool, n: int, cls: int, base: int) -> list:

@@ -70,9 +70,8 @@ def test_greedy_pins_the_whole_prompt_and_off_derives_nothing():
 
 
 def test_gateway_sends_derived_directives_upstream_and_passes_client_hints():
-    from tests.test_gateway import Harness, run
-
     from kvlab.telemetry import names
+    from test_gateway import Harness, run
 
     body = {"model": "m", "max_tokens": 4, "messages": CHAT}
 
@@ -97,9 +96,8 @@ def test_gateway_sends_derived_directives_upstream_and_passes_client_hints():
 
 
 def test_kv_aware_sends_no_directive():
-    from tests.test_gateway import Harness, run
-
     from kvlab.telemetry import names
+    from test_gateway import Harness, run
 
     async def go():
         async with Harness("kv-aware", n=1) as h:
