@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 LAB_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: lab test lint otel-proto venv venv-dev vllm clean
+.PHONY: lab test test-fast lint otel-proto venv venv-dev vllm clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ lab: $(VENV)/.core
 ## The test suite, after the static checks (tests marked `vllm` need `make vllm` first; CI installs it).
 test: $(VENV)/.dev lint
 	$(PY) -m pytest $(TEST_ARGS)
+
+## The inner loop: unit and in-process tests, no child process (about a minute on 2 cores; docs/development.md).
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -m "not processes" $(TEST_ARGS)
 
 ## Static checks: ruff (package, tests, labs, benchmarks) and mypy --strict on the package (pyproject.toml).
 lint: $(VENV)/.dev

@@ -1,5 +1,9 @@
-"""Shared pytest fixtures and the CI rule: under CI=true a test that needs an installed part
-(vLLM, Prometheus, Chromium) fails instead of skipping, so CI can never pass by skipping."""
+"""Shared pytest fixtures and the suite's rules:
+- under CI=true a test that needs an installed part (vLLM, Prometheus, Chromium) fails instead of
+  skipping, so CI can never pass by skipping;
+- the tiers: a test that starts a child process is marked `processes` (or slow, vllm, browser,
+  prometheus, which imply it), or it fails here; `make test-fast` runs the rest (docs/development.md);
+- the budget: the run's total and the slowest tests are printed against the suite's budget."""
 
 from __future__ import annotations
 
@@ -37,7 +41,56 @@ def require_binary(name: str) -> str:
     return path  # type: ignore[return-value]
 
 
+# ---- tiers: the fast tier starts no process -----------------------------------------------------
+PROCESS_MARKS = ("processes", "slow", "vllm", "browser", "prometheus")
+_running: list[pytest.Item] = []          # the test whose setup, call or teardown runs now
+_popen_init = subprocess.Popen.__init__
 
+
+def _starts_processes(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) for m in PROCESS_MARKS)
+
+
+def _guarded_popen_init(self, *args, **kwargs) -> None:
+    if _running and not _starts_processes(_running[-1]):
+        argv = args[0] if args else kwargs.get("args")
+        pytest.fail(f"{_running[-1].nodeid} starts a process ({str(argv)[:120]}) but is not marked: add "
+                    "`pytestmark = pytest.mark.processes` to its module (or mark the test) so that "
+                    "`make test-fast` leaves it out", pytrace=False)
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init   # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:       # so that `-m "not processes"` is the whole fast tier
+        if _starts_processes(item) and not item.get_closest_marker("processes"):
+            item.add_marker("processes")
+
+
+# ---- the budget ---------------------------------------------------------------------------------
+BUDGET_S = 20 * 60          # the whole suite on a 2-core machine (docs/development.md)
+_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return
+    took = time.monotonic() - _started
+    tests = [r for key in ("passed", "failed", "error") for r in terminalreporter.stats.get(key, [])
+             if getattr(r, "when", "call") == "call"]
+    line = f"test time {took:.0f} s for {len(tests)} tests; the suite's budget is {BUDGET_S} s on 2 cores"
+    terminalreporter.write_sep("=", line, red=took > BUDGET_S, green=took <= BUDGET_S)
 
 @pytest.fixture
 def port() -> int:

@@ -76,6 +76,7 @@ def test_user_profiles_are_found_by_name(home):
         load_profiles()
 
 
+@pytest.mark.processes
 def test_simulator_ttft_follows_the_fitted_formula(home, tmp_path):
     """The sim, run with a user profile, answers within a few % of what the fit's formula predicts,
     so a profile fitted by `kvlab calibrate` means in the simulator what it meant in the fit."""

@@ -51,6 +51,7 @@ def test_bench_resolves_cluster_targets_and_passes_urls_through(monkeypatch):
     assert calls == [("baseline", "kind-x", "ns"), ("gateway", "kind-kvlab", "kvlab")]
 
 
+@pytest.mark.processes
 def test_bench_imports_the_kind_path_only_for_cluster_targets():
     code = ("import sys; from kvlab.load.cli import resolve_target; resolve_target('http://x:1', None, 'kvlab'); "
             "print(any(m.startswith(('kvlab.stack.kind', 'kubernetes')) for m in sys.modules))")
@@ -114,6 +115,7 @@ def cluster_lab(sims, tmp_path_factory):
 PHASES = ["baseline-service", "gateway-kv-aware"]
 
 
+@pytest.mark.processes
 def test_cluster_lab_runs_the_service_then_the_gateway_with_the_same_workload(cluster_lab, sims):
     run_dir, _, targets, _ = cluster_lab
     assert [(which, ctx, ns) for _, which, ctx, ns in targets] == [("baseline", "kind-test", "kvlab"),
@@ -130,6 +132,7 @@ def test_cluster_lab_runs_the_service_then_the_gateway_with_the_same_workload(cl
     assert summary["cluster"]["context"] == "kind-test" and summary["replicas"] == 3
 
 
+@pytest.mark.processes
 def test_caches_are_reset_on_every_ready_pod_before_each_phase(cluster_lab):
     run_dir, core, _, out = cluster_lab
     assert core.listed and all(sel == REPLICA_SELECTOR and ns == "kvlab" for ns, sel in core.listed)
@@ -152,6 +155,7 @@ def test_caches_are_reset_on_every_ready_pod_before_each_phase(cluster_lab):
     assert "VLLM_SERVER_DEV_MODE" in out
 
 
+@pytest.mark.processes
 def test_unknown_hit_rates_are_n_a_not_numbers(cluster_lab):
     run_dir, _, _, out = cluster_lab
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -104,6 +104,7 @@ def compared(tmp_path_factory):
     return result, root / "run"
 
 
+@pytest.mark.processes
 def test_compare_runs_a_kvlab_router_and_external_ones_on_the_same_replicas(compared):
     result, run = compared
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -123,6 +124,7 @@ def test_compare_runs_a_kvlab_router_and_external_ones_on_the_same_replicas(comp
     assert "vllm-router:cache_aware (peer)" in result.stdout and "of oracle" in result.stdout
 
 
+@pytest.mark.processes
 def test_compare_keeps_the_peers_own_kv_counters_and_says_when_its_kv_path_never_engaged(compared):
     result, run = compared
     doc = json.loads((run / "compare.json").read_text())
@@ -163,6 +165,7 @@ def test_a_peers_kv_counters_tell_whether_its_kv_path_credited_anything():
     assert kv_path_warning(Row(**base)) is None          # a router without such counters
 
 
+@pytest.mark.processes
 def test_compare_writes_the_html_report_and_stops_every_router(compared):
     _, run = compared
     page = (run / "compare.html").read_text()
@@ -174,6 +177,7 @@ def test_compare_writes_the_html_report_and_stops_every_router(compared):
     assert not any(runs_command(p["pid"], p["argv"]) for p in stack["processes"])
 
 
+@pytest.mark.processes
 def test_compare_rejects_a_bad_router_before_starting_anything(tmp_path):
     result = kvlab("compare", "--routers", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
     assert result.returncode == 1
@@ -195,6 +199,7 @@ def test_lab_policies_take_peer_names(tmp_path):
     assert (tmp_path / "run" / "logs" / "router-vllm-router-cache_aware.log").exists()
 
 
+@pytest.mark.processes
 def test_lab_rejects_an_unknown_router_name(tmp_path):
     result = kvlab("lab", "--policies", "round-robin,vllm-router:nope", cwd=tmp_path, timeout=60)
     assert result.returncode == 1 and "kvlab lab: unknown vllm-router policy 'nope'" in result.stdout

@@ -116,6 +116,7 @@ def _rows(run_dir):
     return doc, doc["workloads"]["shared-prefix"]["routers"]
 
 
+@pytest.mark.processes
 def test_cluster_compare_measures_every_cluster_router_like_a_local_compare(compared):
     run_dir, _, out = compared
     doc, rows = _rows(run_dir)
@@ -134,6 +135,7 @@ def test_cluster_compare_measures_every_cluster_router_like_a_local_compare(comp
     assert "answered with policy" not in out
 
 
+@pytest.mark.processes
 def test_balance_is_each_replica_pods_own_counter_through_the_pod_proxy(compared):
     run_dir, core, _ = compared
     _, rows = _rows(run_dir)
@@ -145,6 +147,7 @@ def test_balance_is_each_replica_pods_own_counter_through_the_pod_proxy(compared
     assert min(baseline["replica_requests"].values()) > 0, baseline
 
 
+@pytest.mark.processes
 def test_every_ready_pods_cache_is_reset_before_each_router_and_after_the_last(compared):
     run_dir, core, _ = compared
     doc, _ = _rows(run_dir)

@@ -157,6 +157,7 @@ def problems_in(command: list[str]) -> list[str]:
     return problems
 
 
+@pytest.mark.processes
 def test_every_documented_command_uses_options_its_help_lists() -> None:
     found = invocations()
     # the scan itself works: the docs' best-known commands are found
@@ -167,6 +168,7 @@ def test_every_documented_command_uses_options_its_help_lists() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.processes
 def test_the_check_catches_a_flag_help_does_not_list() -> None:
     assert problems_in(["lab", "--quick", "--users", "4"]) == []
     assert problems_in(["traces", "explain", "<id>", "--run", "runs/latest"]) == []

@@ -93,6 +93,7 @@ def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=60, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.processes
 def test_json_matches_its_schema_and_the_fake_machine(tmp_path):
     schema = json.loads(_doctor("--schema").stdout)
     fake = cpuinfo(tmp_path, "avx2", "Fake EPYC")
@@ -114,6 +115,7 @@ def test_json_matches_its_schema_and_the_fake_machine(tmp_path):
     assert forced["choices"]["dtype"] == "bfloat16" and forced["cpu"]["isa"]["source"] == "--isa amx"
 
 
+@pytest.mark.processes
 def test_table_and_bad_level():
     out = _doctor("--isa", "avx2")
     assert out.returncode == 0 and "the lab will use" in out.stdout and "float32" in out.stdout

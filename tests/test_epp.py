@@ -33,6 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from kvlab.lifecycle import terminate  # noqa: E402
 from kvlab.telemetry import names  # noqa: E402
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 DEST = "x-gateway-destination-endpoint"
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from edge import raw_request, sim_and_gateway
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 CHAT = "/v1/chat/completions"
 DEEP = 100_000
 

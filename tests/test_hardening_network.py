@@ -21,6 +21,8 @@ from kvlab.scenarios.faults import drop_client, scrape
 from kvlab.stack.local import LocalStack
 from kvlab.topology import load_topology
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 
 def _exposed(stack: LocalStack) -> list[str]:
     """'name pid addr:port' for every bound inet socket of the stack's processes not on loopback."""

@@ -54,6 +54,7 @@ def test_kind_schema_is_strict(bad):
         jsonschema.Draft202012Validator(SCHEMA).validate(config)
 
 
+@pytest.mark.processes
 def test_gpu_config_exposes_gpus_the_nvkind_way():
     gpu_workers = [n for n in _config("gpu.yaml")["nodes"] if (n.get("labels") or {}).get("kvlab.io/gpu") == "true"]
     assert len(gpu_workers) == 1

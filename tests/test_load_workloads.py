@@ -124,6 +124,7 @@ def test_long_context_prompts_near_the_limit_popular_and_new():
     assert all(1400 <= n_tokens(c) <= 1500 for c in contexts["c0"])
 
 
+@pytest.mark.processes
 def test_agentic_tool_calls_pause_later_steps_and_the_user_waits():
     """`tool_seconds`: every request after a session's first waits for its tool call (the session's
     KV sits idle meanwhile); the default stream has no pause, and the Locust user sleeps it."""

@@ -47,6 +47,7 @@ def test_gpu_topologies_for_one_two_and_four_gpus():
     assert sorted(load_topology(p).gpu.gpus for p in GPU_TOPOLOGIES) == [1, 2, 4]
 
 
+@pytest.mark.processes
 def test_rendered_files_validate_strictly(rendered):
     _, files = rendered
     assert sorted(files) == ["baseline", "gateway", "observability"]
@@ -58,6 +59,7 @@ def test_rendered_files_validate_strictly(rendered):
                 pytest.fail(f"{phase}: {x['kind']}/{x['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
 
 
+@pytest.mark.processes
 def test_render_writes_what_deploy_applies(tmp_path):
     path = ROOT / "labs" / "topologies" / "gpu-1.yaml"
     files = _render(path, tmp_path, "baseline")
@@ -66,6 +68,7 @@ def test_render_writes_what_deploy_applies(tmp_path):
     assert files == {"baseline": applied[0]}
 
 
+@pytest.mark.processes
 def test_kv_cap_memory_slice_cache_and_secret(rendered):
     topology, files = rendered
     deployments = [x for x in files["baseline"] if x["kind"] == "Deployment"]
@@ -92,6 +95,7 @@ def test_kv_cap_memory_slice_cache_and_secret(rendered):
                                                                             "optional": True}}}
 
 
+@pytest.mark.processes
 def test_device_plugin_time_slices_as_the_topology_shares(rendered):
     topology, _ = rendered
     manifests = cli.build_plan(cli._parser().parse_args(

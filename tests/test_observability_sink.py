@@ -18,10 +18,13 @@ import yaml
 from kvlab.telemetry.sink import choose_trace_target, start_trace_target
 from kvlab.traces.sources.otlp_files import OtlpFileSource
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 EXPORT = r"""
 import json, sys
 from opentelemetry import trace
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
 configure_tracing("probe")
 tracer = trace.get_tracer("probe")
 ids = []

@@ -26,6 +26,8 @@ from kvlab.stack.prometheus import rules_file, scrape_config
 from kvlab.telemetry import names as n
 from kvlab.topology import load_topology
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "dashboards" / rules.FILE
 UNIT_TESTS = ROOT / "tests" / "promtool" / "kvlab.rules.test.yaml"

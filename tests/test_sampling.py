@@ -79,6 +79,7 @@ import json
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from kvlab.telemetry.setup import configure_tracing
+
 provider = configure_tracing("probe-sampling")
 tracer = trace.get_tracer("probe")
 roots = 0
@@ -112,6 +113,7 @@ def probe(env: dict[str, str]) -> dict:
     ({"OTEL_TRACES_SAMPLER": "no-such-sampler"}, 200, "OTEL_TRACES_SAMPLER=no-such-sampler"),
     ({"OTEL_TRACES_SAMPLER": DEFAULT, "OTEL_TRACES_SAMPLER_ARG": "-3"}, 200, "OTEL_TRACES_SAMPLER_ARG='-3'"),
 ])
+@pytest.mark.processes
 def test_processes_sample_what_the_environment_says(export_process, env, roots, warning):
     out = probe({"KVLAB_TRACES_EXPORT_PROCESS": export_process, **env})
     assert out["provider"] == ("RecorderProvider" if export_process == "1" else "TracerProvider")

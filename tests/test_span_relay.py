@@ -16,6 +16,8 @@ import pytest
 
 from test_telemetry_env import http_receiver  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 PROBE = r"""
 import json, multiprocessing, os, sys, time
 from opentelemetry import propagate, trace
@@ -23,6 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from kvlab.telemetry import genai
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
 provider = configure_tracing("relay-probe", export_process=True)
 tracer = trace.get_tracer("relay.probe", "1.2")
 remote = propagate.extract({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})

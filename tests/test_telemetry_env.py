@@ -21,10 +21,13 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from conftest import FakeHandler, http_server
 from kvlab.telemetry.sink import parse_traces, to_otlp_json
 
+pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
+
 PROBE = r"""
 import json, sys, time
 from opentelemetry import baggage, context, propagate, trace
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
+
 configure_tracing("probe-default")
 tracer = trace.get_tracer("probe")
 carrier = {}

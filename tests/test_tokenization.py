@@ -135,6 +135,7 @@ def test_a_request_the_template_rejects_is_a_request_error_with_its_message(zoo)
         tok.render_chat([USER], add_generation_prompt=True, continue_final_message=True)
 
 
+@pytest.mark.processes
 def test_bad_directory_or_template_is_a_clear_start_up_error(tmp_path, zoo):
     with pytest.raises(ConfigError, match="does not exist"):
         Tokenizer(tmp_path / "missing")
@@ -152,6 +153,7 @@ def test_bad_directory_or_template_is_a_clear_start_up_error(tmp_path, zoo):
     assert r.returncode == 2 and "chat_template.jinja" in r.stderr, r.stderr
 
 
+@pytest.mark.processes
 def test_kvlab_tokenize_prints_the_ids_the_gateway_routes_on(zoo, tmp_path):
     z = zoo["llama3"]
     prompt, chat = tmp_path / "prompt.txt", tmp_path / "chat.json"
