@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 LAB_ARGS ?=
 TEST_ARGS ?=
+# test processes `make test` runs at once (pytest-xdist): most tests wait on child processes, so more
+# workers than cores pays off (docs/development.md has the measurements)
+TEST_WORKERS ?= 4
 
 .PHONY: lab test test-fast lint otel-proto venv venv-dev vllm clean
 
@@ -36,7 +39,7 @@ lab: $(VENV)/.core
 
 ## The test suite, after the static checks (tests marked `vllm` need `make vllm` first; CI installs it).
 test: $(VENV)/.dev lint
-	$(PY) -m pytest $(TEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TEST_ARGS)
 
 ## The inner loop: unit and in-process tests, no child process (about a minute on 2 cores; docs/development.md).
 test-fast: $(VENV)/.dev

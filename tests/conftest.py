@@ -72,10 +72,29 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _running.pop()
 
 
+# The longest groups, measured (docs/development.md), longest first: `make test` hands them to the
+# workers first so that no long group starts last (--no-loadscope-reorder keeps this order).
+LONGEST_FIRST = ("notebooks-experiments", "notebooks-topologies-a", "notebooks-topologies-b", "test_lab",
+                 "notebooks-quickstart", "test_faults", "test_observability_lab", "test_notebooks_kind",
+                 "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "notebooks-alone",
+                 "test_chunked_vllm", "test_hardening_network", "test_tokenization_vllm", "test_fuzz")
+
+
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark else ""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:       # so that `-m "not processes"` is the whole fast tier
+    for item in items:
         if _starts_processes(item) and not item.get_closest_marker("processes"):
-            item.add_marker("processes")
+            item.add_marker("processes")       # so that `-m "not processes"` is the whole fast tier
+        if not item.get_closest_marker("xdist_group"):
+            # `-n N --dist loadgroup` (make test): a module stays on one worker, so its module-scoped
+            # fixtures start once; a module that marks its own groups splits across workers
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))     # stable: the rest keeps its order
 
 
 # ---- the budget ---------------------------------------------------------------------------------
@@ -89,6 +108,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     took = time.monotonic() - _started
     tests = [r for key in ("passed", "failed", "error") for r in terminalreporter.stats.get(key, [])
              if getattr(r, "when", "call") == "call"]
+    if not tests:
+        return
     line = f"test time {took:.0f} s for {len(tests)} tests; the suite's budget is {BUDGET_S} s on 2 cores"
     terminalreporter.write_sep("=", line, red=took > BUDGET_S, green=took <= BUDGET_S)
 

@@ -24,10 +24,18 @@ from conftest import require, require_binary
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
 NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]-*.ipynb"))
-# 04, 05, 07 and 10 switch the stack to their own topologies; running them last lets 06 reuse the
-# phases of 01-02 (each notebook also runs alone: see test_a_notebook_runs_alone_starting_what_it_needs)
-ORDER = sorted(NOTEBOOKS, key=lambda p: (p.stem[:2] in ("04", "05", "07", "10"), p.stem))
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
+# Shards, each in its own runs dir: under `make test` (pytest-xdist, --dist loadgroup) they run on
+# separate workers at once. The quickstart shard keeps 03 and 06 after 01-02, whose phases they
+# reuse; lab 10 (the longest, ~6 minutes) is a shard alone; the other notebooks switch the stack to
+# their own topologies and alternate between two shards (each also runs alone: see
+# test_a_notebook_runs_alone_starting_what_it_needs).
+QUICKSTART = ("00", "01", "02", "03", "06")
+_others = [p for p in NOTEBOOKS if p.stem[:2] not in (*QUICKSTART, "10")]
+SHARDS = {"quickstart": [p for p in NOTEBOOKS if p.stem[:2] in QUICKSTART],
+          "experiments": [p for p in NOTEBOOKS if p.stem[:2] == "10"],
+          "topologies-a": _others[0::2], "topologies-b": _others[1::2]}
+ORDER = [pytest.param(nb, marks=pytest.mark.xdist_group(f"notebooks-{shard}"), id=nb.stem)
+         for shard, notebooks in SHARDS.items() for nb in notebooks]
 EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by test_notebook_runs)
 
 nbformat = pytest.importorskip("nbformat")
@@ -140,7 +148,7 @@ def _kernel_python() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ipynb", ORDER, ids=lambda p: p.stem)
+@pytest.mark.parametrize("ipynb", ORDER)
 def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
     _kernel_python()
     out = runs_dir.parent / "executed" / ipynb.name
@@ -154,6 +162,7 @@ def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("notebooks-alone")
 def test_a_notebook_runs_alone_starting_what_it_needs():
     """Lab 03 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
     with _runs_env("kvlab-nb-alone-") as runs:
@@ -195,14 +204,16 @@ def _dump_dom(chromium: str, html: Path) -> str:
 
 
 @pytest.mark.slow
-def test_executed_notebooks_render_their_plots_in_chromium(runs_dir, tmp_path):
+@pytest.mark.parametrize("shard", [pytest.param(s, marks=pytest.mark.xdist_group(f"notebooks-{s}")) for s in SHARDS])
+def test_executed_notebooks_render_their_plots_in_chromium(shard, runs_dir, tmp_path):
     chromium = require_binary("chromium")
-    require(bool(EXECUTED), "executed notebooks (run the whole module)")   # a failed one already failed its test
+    executed_here = {p.stem: EXECUTED[p.stem] for p in SHARDS[shard] if p.stem in EXECUTED}
+    require(bool(executed_here), "executed notebooks (run the whole module)")   # a failed one already failed its test
     from PIL import Image
 
     from kvlab.traces.screenshot import screenshot
 
-    for name, executed in sorted(EXECUTED.items()):
+    for name, executed in sorted(executed_here.items()):
         nb = nbformat.read(executed, as_version=4)
         expected = sum(1 for c in nb.cells for o in c.get("outputs", []) if PLOTLY_MIME in o.get("data", {}))
         assert expected >= 1, f"{name}: no plotly figure"
@@ -213,6 +224,8 @@ def test_executed_notebooks_render_their_plots_in_chromium(runs_dir, tmp_path):
         assert errors and plots, f"{name}: the page did not finish loading in Chromium"
         assert json.loads(errors.group(1).replace("&quot;", '"')) == [], f"{name}: JavaScript errors {errors.group(1)}"
         assert int(plots.group(1)) == expected, f"{name}: {plots.group(1)} plots drawn, {expected} expected"
+    if shard != "quickstart":
+        return
     require("02-kv-aware" in EXECUTED, "lab 02 executed")
     png = screenshot(tmp_path / "02-kv-aware.html", tmp_path / "02-kv-aware.png", width=1300, height=2600,
                      budget_ms=10000)
