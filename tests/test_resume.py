@@ -288,3 +288,34 @@ def test_unresumable_and_usage_arithmetic():
     p = Progress(prompt_tokens=10, resumes=1, carried=4)
     u = p.usage_json(Usage(prompt_tokens=14, completion_tokens=3))
     assert u == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+
+
+def test_the_index_forgets_an_ejected_replica_and_learns_it_again():
+    async def go():
+        h = Harness("kv-aware", n=2)
+        async with h:
+            h.gw.registry.readmit_after_s = 0.3
+            doc = " ".join(f"shared line {i} of the document." for i in range(40))
+            for i in range(4):
+                st, _, _ = await h.post("/v1/completions", {"prompt": doc + f" q{i}", "max_tokens": 2})
+                assert st == 200
+            learned = {r.name: h.gw.approx.blocks(r.name) for r in h.replicas}
+            dead = max(learned, key=lambda n: learned[n])
+            assert learned[dead] > 0
+            victim = next(r for r in h.replicas if r.name == dead)
+            await victim.stop()
+            for i in range(6):
+                st, hdr, _ = await h.post("/v1/completions", {"prompt": doc + f" again {i}", "max_tokens": 2})
+                assert st == 200 and hdr[names.HEADER_ROUTED_TO] != dead
+            assert not h.gw.registry.replicas[dead].healthy
+            assert h.gw.approx.blocks(dead) == 0          # forgotten at once: nothing attracts routing there
+            await victim.start()
+            for _ in range(50):
+                if h.gw.registry.replicas[dead].healthy:
+                    break
+                await asyncio.sleep(0.1)
+            assert h.gw.registry.replicas[dead].healthy
+            for i in range(6):
+                await h.post("/v1/completions", {"prompt": f"fresh {i} " * 20, "max_tokens": 2})
+            assert h.gw.approx.blocks(dead) > 0            # learned again from the requests routed to it
+    run(go())

@@ -198,8 +198,12 @@ class Gateway:
             self.metrics.tokenizer_parity.labels(r.name).set(1.0 if verdict.state == MATCH else 0.0)
 
     def _on_eject(self, r: Backend) -> None:
+        """An ejected replica's blocks stop attracting routing at once: both indexes forget them and
+        learn again when it is back (its KV events after the restart, or the requests routed to it)."""
         self.metrics.ejections.labels(r.name).inc()
-        log.warning("ejected %s: %s", r.name, r.last_error)
+        self.precise.clear(r.name)
+        self.approx.clear(r.name)
+        log.warning("ejected %s: %s; its index entries are dropped", r.name, r.last_error)
 
     def _snapshot(self) -> Iterator[tuple[str, int, bool, int, int, str]]:
         for r in list(self.registry.replicas.values()):
