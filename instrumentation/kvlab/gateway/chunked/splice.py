@@ -28,6 +28,7 @@ from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.chunked.slots import CLASSES, SlotQueue, class_rank
 from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.exchange import Exchange
+from kvlab.gateway.relay import error_json
 from kvlab.gateway.resume import resume_body
 from kvlab.telemetry import names
 
@@ -204,8 +205,7 @@ class ChunkedDecode:
                 return await self._relay(resp, c, ident, out, request, headers, on_first_token)
         except (TimeoutError, aiohttp.ClientError) as exc:
             c.status = 502
-            c.error = msgspec.json.encode({"error": {"message": f"{r.name}: {type(exc).__name__}: {exc}",
-                                                     "type": "UpstreamError", "param": None, "code": 502}})
+            c.error = error_json(f"{r.name}: {type(exc).__name__}: {exc}")
             return c, out
 
     async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, ident: dict[str, Any],
