@@ -319,3 +319,14 @@ def test_the_index_forgets_an_ejected_replica_and_learns_it_again():
                 await h.post("/v1/completions", {"prompt": f"fresh {i} " * 20, "max_tokens": 2})
             assert h.gw.approx.blocks(dead) > 0            # learned again from the requests routed to it
     run(go())
+
+
+def test_traces_explain_says_the_resume_in_words():
+    from kvlab.traces.explain import resumes
+    from kvlab.traces.span import Span, SpanEvent, Trace
+    ev = SpanEvent(names.EVENT_RESUME, 2, {names.RESUME_INDEX: 1, names.RESUME_FROM: "sim-0",
+                                           names.RESUME_REASON: "stream", names.RESUME_TOKENS_SENT: 12,
+                                           names.REPLICA: "sim-1", names.RESUME_PREFILL_TOKENS: 40})
+    span = Span("a" * 32, "b" * 16, None, names.SPAN_GATEWAY_REQUEST, "kvlab-gateway", "server", 1, 3, events=(ev,))
+    (line,) = resumes(Trace("a" * 32, [span]))
+    assert "sim-0 failed (stream) after 12 tokens" in line and "sim-1 continued" in line and "40" in line
