@@ -1,7 +1,7 @@
 """Fault figures for docs/reliability.md, measured in one run against real `kvlab engine sim` and
 `kvlab gateway` processes (kvlab.scenarios.faults; tests/test_faults.py asserts the same properties).
 
-    .venv/bin/python benchmarks/faults.py [--quick]
+    .venv/bin/python benchmarks/faults.py [--quick] [--only sigkill]
 
 Prints, per scenario: client disconnects (time until the engine and the gateway dropped the work),
 a replica SIGKILLed under streaming load, a hung replica, a trace backend down or black-holing,
@@ -25,6 +25,7 @@ from kvlab.scenarios import faults
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes (CI-like)")
+    p.add_argument("--only", metavar="WORD", help="run only the scenarios whose name contains WORD (e.g. SIGKILL)")
     a = p.parse_args()
     q = a.quick
     console = Console()
@@ -38,6 +39,8 @@ def main() -> None:
         ("slowloris", lambda d: faults.slowloris(d, connections=50 if q else 500, idle_s=2.0)),
     ]
     for name, fn in runs:
+        if a.only and a.only.lower() not in name.lower():
+            continue
         with tempfile.TemporaryDirectory() as d, console.status(f"{name} ..."):
             t0 = time.monotonic()
             res = fn(Path(d))

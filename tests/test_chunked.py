@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import free_port
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.gateway.chunked.slots import SlotQueue, class_rank
-from kvlab.gateway.chunked.splice import resume_body
 from kvlab.gateway.config import load_policy
 from kvlab.gateway.discovery.base import StaticDiscovery
+from kvlab.gateway.resume import resume_body
 from kvlab.gateway.server import Gateway
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names

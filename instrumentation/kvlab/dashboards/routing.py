@@ -72,4 +72,12 @@ def build() -> dashboard.Dashboard:
             Query(or_zero(rate(n.KVLAB_KV_EVENT_GAPS, by="replica, kind"), requests),
                   "{{replica}} KV-event gaps/s {{kind}}"),
         ], width=8))
+        .with_panel(graph("Generations resumed on another replica", [
+            Query(or_zero(rate(n.KVLAB_RESUMES, by="reason"), requests), "resumed/s {{reason}}"),
+            Query(or_zero(rate(n.KVLAB_REQUESTS, 'status=~"5.."', by="replica"), requests),
+                  "{{replica}} failed to the client/s"),
+        ], unit="reqps", width=8,
+            description="A replica failed mid-generation and another continued it from the text the client "
+                        "already had (stream: connection broken; error_event; ended: no finish reason; body: "
+                        "an unstreamed answer cut off). Failed requests are what reached the client as errors."))
     )

@@ -65,6 +65,7 @@ class Limits(Strict, frozen=True):
     max_body_bytes: int = 8 * 1024 * 1024
     max_prompt_tokens: int | None = None  # None: let the replica judge its model length
     max_retries: int = 2                  # extra replicas tried after a refused connection
+    max_resumes: int = 3                  # a broken generation continued on another replica at most this often
 
 
 class TierWeights(Strict, frozen=True):

@@ -76,6 +76,8 @@ class GatewayMetrics:
         self.upstream_errors = Counter(names.KVLAB_UPSTREAM_ERRORS, "upstream failures",
                                        ["replica", "kind"], registry=r)
         self.retries = Counter(names.KVLAB_RETRIES, "requests retried on another replica", ["replica"], registry=r)
+        self.resumes = Counter(names.KVLAB_RESUMES, "broken generations resumed on another replica", ["reason"],
+                               registry=r)
         self.ejections = Counter(names.KVLAB_EJECTIONS, "replicas ejected after failures", ["replica"], registry=r)
         self.kv_events = Counter(names.KVLAB_KV_EVENTS, "KV-event batches ingested", ["replica"], registry=r)
         self.kv_event_gaps = Counter(names.KVLAB_KV_EVENT_GAPS, "KV-event stream gaps and restarts",

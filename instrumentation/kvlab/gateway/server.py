@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
@@ -41,6 +42,7 @@ from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.parity import MATCH, MISMATCH, ParityProbe, Verdict
 from kvlab.gateway.pd import Disaggregation
 from kvlab.gateway.relay import Relay, upstream_error
+from kvlab.gateway.resume import Broken, Progress, resume_body, unresumable
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.tokens import LocalTokens, PromptTokenizer, chat_args
@@ -196,8 +198,12 @@ class Gateway:
             self.metrics.tokenizer_parity.labels(r.name).set(1.0 if verdict.state == MATCH else 0.0)
 
     def _on_eject(self, r: Backend) -> None:
+        """An ejected replica's blocks stop attracting routing at once: both indexes forget them and
+        learn again when it is back (its KV events after the restart, or the requests routed to it)."""
         self.metrics.ejections.labels(r.name).inc()
-        log.warning("ejected %s: %s", r.name, r.last_error)
+        self.precise.clear(r.name)
+        self.approx.clear(r.name)
+        log.warning("ejected %s: %s; its index entries are dropped", r.name, r.last_error)
 
     def _snapshot(self) -> Iterator[tuple[str, int, bool, int, int, str]]:
         for r in list(self.registry.replicas.values()):
@@ -345,16 +351,84 @@ class Gateway:
             if ex.chunk_tokens:   # chunked decoding replaces P/D and retries for this request
                 return await self._chunked(request, ex)
             name = await self.pd.run(ex)
-            call = Call(name, ex.path, msgspec.json.encode(ex.payload), stream=ex.stream, headers=ex.retention)
+            return await self._serve(request, ex, name)
 
-            async def answer(at: Attempt) -> web.StreamResponse:
-                self.pd.observe_transfer(at.span, at.resp.headers)
-                return await self.relay.answer(request, ex, at)
+    async def _serve(self, request: web.Request, ex: Exchange, name: str) -> web.StreamResponse:
+        """Call the ranked replicas and relay the answer; a replica that fails mid-way is replaced by
+        another that continues from what the client already received (resume.py), at most
+        `limits.max_resumes` times."""
+        prog = Progress(prompt_tokens=len(ex.tokens) or None)
+        why_not = unresumable(ex.payload, ex.operation)
+        body, ranked, lost = ex.payload, ex.decision.ranked, set[str]()
 
-            got = await self.upstream.call(ex, ex.decision.ranked, call, answer)
+        async def answer(at: Attempt) -> web.StreamResponse | Broken:
+            self.pd.observe_transfer(at.span, at.resp.headers)
+            if prog.pending is not None:
+                self._resumed(ex, prog, prog.pending, at)
+                prog.pending = None
+            return await self.relay.answer(request, ex, at, prog)
+
+        while True:
+            call = Call(name, ex.path, msgspec.json.encode(body), stream=ex.stream, headers=ex.retention)
+            got: web.StreamResponse | Broken | Failure = await self.upstream.call(ex, ranked, call, answer)
             if isinstance(got, Failure):
-                return self.relay.failed(ex, f"upstream failed: {got.error}")
-            return got
+                msg = f"upstream failed: {got.error}"
+                if got.kind in ("connect", "timeout"):
+                    msg, status = f"no replica could serve the request: {got.error}", 503
+                else:
+                    status = 502
+                return await self._give_up(ex, prog, msg, status)
+            if not isinstance(got, Broken):
+                return got
+            lost.add(got.replica.name)
+            limit = self.cfg.limits.max_resumes
+            if prog.text and why_not is not None:
+                return await self._give_up(ex, prog, f"{got.error}; not resumed: {why_not}")
+            if prog.resumes >= limit:
+                return await self._give_up(ex, prog, f"{got.error}; not resumed: {limit} resumes already")
+            try:
+                routed = self._schedule(ex.tokens, None, frozenset(lost))
+            except NoEndpointAvailable:
+                return await self._give_up(ex, prog, f"{got.error}; no healthy replica left to resume on", 503)
+            remaining = self._remaining(ex.payload, prog.tokens)
+            if remaining is not None and remaining <= 0:
+                return await self._give_up(ex, prog, f"{got.error}; max_tokens were already sent")
+            body = resume_body(ex.payload, ex.operation, prog.text) if prog.text else dict(ex.payload)
+            body.pop("kv_transfer_params", None)
+            if remaining is not None:
+                body.pop("max_completion_tokens", None)
+                body["max_tokens"] = remaining
+            if isinstance(ex.payload.get("min_tokens"), int):
+                body["min_tokens"] = max(0, ex.payload["min_tokens"] - prog.tokens)
+            ex.routed, ranked, name = routed, routed.decision.ranked, names.SPAN_UPSTREAM
+            prog.resumes += 1
+            prog.carried = prog.tokens
+            prog.pending = got
+            self.metrics.resumes.labels(got.reason).inc()
+            ex.span.set_attribute(names.RESUME_COUNT, prog.resumes)
+
+    @staticmethod
+    def _remaining(payload: dict[str, Any], sent: int) -> int | None:
+        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        return limit - sent if type(limit) is int else None
+
+    def _resumed(self, ex: Exchange, prog: Progress, lost: Broken, at: Attempt) -> None:
+        """The resume's span event: which replica was lost, what the client had, who continues and
+        the prompt the new replica has to prefill beyond its cached prefix (the resume's cost)."""
+        prefill = max(0, len(ex.tokens) + prog.carried - at.cand.prefix_tokens)
+        attrs: dict[str, AttributeValue] = {names.RESUME_REASON: lost.reason, names.RESUME_FROM: lost.replica.name,
+                 names.RESUME_TOKENS_SENT: prog.carried, names.RESUME_INDEX: prog.resumes,
+                 names.REPLICA: at.cand.name, names.RESUME_PREFILL_TOKENS: prefill,
+                 names.UPSTREAM_ERROR: lost.error}
+        ex.span.add_event(names.EVENT_RESUME, attrs)
+        at.span.set_attributes({names.RESUME_INDEX: prog.resumes, names.RESUME_TOKENS_SENT: prog.carried})
+
+    async def _give_up(self, ex: Exchange, prog: Progress, message: str, status: int = 502) -> web.StreamResponse:
+        """The request ends in an OpenAI-shaped error: a response, or an error event in the started stream."""
+        log.warning("request failed: %s", message)
+        if prog.out is not None:
+            return await self.relay.end(ex, prog, message, status)
+        return self.relay.failed(ex, message, status)
 
     async def _chunked(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         """Generation in chunks on the chosen replica (gateway/chunked/, docs/chunked-decoding.md),

@@ -6,7 +6,8 @@ its uncached prompt tokens booked as in-flight tokens and as prefill work ahead 
 token (prefill.py). `Upstream.call` tries ranked candidates in order (at most 1 + max_retries) and
 moves on only when the replica never answered: refused or dropped connection, or no response
 headers within `first_byte_s` (the closed connection aborts the request there, as vLLM does on a
-disconnect). Anything after the headers belongs to the caller's handler, which sees the response once.
+disconnect). Anything after the headers belongs to the caller's handler, which sees the response once
+(a replica lost after that is the gateway's to resume elsewhere: resume.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ import aiohttp
 
 from kvlab.stack.launch import HOST, KVLAB, free_port
 from kvlab.stack.process import Child
+from kvlab.telemetry import names
 
 NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
 
@@ -134,6 +136,11 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
             out["ok"] = resp.status == 200 and data.rstrip().endswith(b"data: [DONE]") and b'"error"' not in data
             if not out["ok"]:
                 out["error"] = data[-300:].decode(errors="replace")
+            events = [json.loads(e[6:]) for e in data.decode(errors="replace").split("\n\n")
+                      if e.startswith("data: {")]
+            out["ids"] = len({e.get("id") for e in events if e.get("choices")})
+            out["finishes"] = sum(1 for e in events for c in e.get("choices") or [] if c.get("finish_reason"))
+            out["text"] = "".join(c.get("text") or "" for e in events for c in e.get("choices") or [])
     except (TimeoutError, aiohttp.ClientError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["t_end"] = time.monotonic()
@@ -162,9 +169,23 @@ def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) 
                     late.append(asyncio.create_task(_stream(s, url, {"prompt": "short", "max_tokens": 4})))
                     await asyncio.sleep(0.05)
                 results = await asyncio.gather(*tasks, *late)
+                metrics = await (await s.get(url + "/metrics")).text()
             after = [r for r in results if r["t_start"] >= t_kill + 1.0]
             failed = [r for r in results if not r["ok"]]
-            return {"streams": streams, "inflight_on_killed": on_b, "failed": len(failed),
+            resumed = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                          if line.startswith(names.KVLAB_RESUMES + "_total{"))
+            # the simulator's text depends only on its seed and the prompt: every long stream that ran
+            # on one replica is the same text; a resumed one must start with a part of it and go on to
+            # exactly max_tokens words, one id and one finish reason (no gap, no repeat)
+            whole = Counter(r.get("text", "") for r in results[:streams] if r["replica"] != rb[0]["name"])
+            reference = whole.most_common(1)[0][0].split() if whole else []
+            continued = [r for r in results[:streams] if r["replica"] == rb[0]["name"] and r["ok"]]
+            def intact(r: dict[str, Any]) -> bool:
+                words = r["text"].split()
+                kept = next((i for i, (a, b) in enumerate(zip(words, reference, strict=False)) if a != b), len(words))
+                return len(words) == max_tokens and 0 < kept < max_tokens and r["ids"] == 1 and r["finishes"] == 1
+            return {"streams": streams, "inflight_on_killed": on_b, "failed": len(failed), "resumed": int(resumed),
+                    "resumed_intact": sum(intact(r) for r in continued), "resumed_streams_ok": len(continued),
                     "failed_after_1s": sum(not r["ok"] for r in after), "ok_after_1s": sum(r["ok"] for r in after),
                     "requests_after_kill": len(late),
                     "last_failure_after_kill_s": round(max((r["t_end"] - t_kill for r in failed), default=0.0), 3)}

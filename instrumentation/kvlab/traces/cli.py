@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     source_flags(ex)
     ex.add_argument("trace_id", nargs="?", help="default: a sample request of the run")
     ex.add_argument("--policy", help="pick the sample among requests of this policy")
+    ex.add_argument("--resumed", action="store_true",
+                    help="pick a request whose replica failed mid-way and that was resumed on another")
     ex.add_argument("--html", type=Path, metavar="OUT", help="write waterfall, why-this-replica and hit-rate figures")
     ex.add_argument("--reason", help="explain every decision with this reason (e.g. load-over-prefix, round-robin)")
     ex.add_argument("--replica", help="explain every decision that chose this replica")
@@ -238,6 +240,11 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
         return cmd_explain_many(traces, rows, args, console)
     if args.trace_id:
         trace = _find(source, args.trace_id)
+    elif args.resumed:
+        found = next((t for t in traces if explain.resumes(t)), None)
+        if found is None:
+            raise KvlabError(f"no resumed request in {source.describe()}")
+        trace = found
     else:
         sample = sample_request(rows, args.policy)
         if sample is None:
@@ -252,6 +259,8 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
     console.print(explain.sentence(d, kv))
     for line in explain_lines(d, ttft):
         console.print(line)
+    for line in explain.resumes(trace):
+        console.print(f"  [yellow]{line}[/]")
     if rows:
         console.print(summary_table(rows))
     if args.html:

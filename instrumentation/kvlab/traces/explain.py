@@ -16,7 +16,9 @@ from typing import Any
 
 import msgspec
 
+from kvlab.telemetry import names
 from kvlab.traces.decision import Candidate, Decision
+from kvlab.traces.span import Trace
 
 # the raw per-replica inputs the schedule span records next to the scores
 LOAD_COLUMNS = (("waiting", "queue"), ("running", "running"), ("inflight", "in-flight"),
@@ -226,4 +228,22 @@ def reasons(decisions: Sequence[Decision]) -> dict[str, int]:
     out: dict[str, int] = {}
     for d in decisions:
         out[d.reason or "?"] = out.get(d.reason or "?", 0) + 1
+    return out
+
+
+def resumes(trace: Trace) -> list[str]:
+    """One sentence per resume of the request (a replica that failed mid-way, gateway/resume.py)."""
+    out = []
+    for span in trace.find(names.SPAN_GATEWAY_REQUEST):
+        for ev in span.events:
+            if ev.name != names.EVENT_RESUME:
+                continue
+            a = ev.attributes
+            sent = a.get(names.RESUME_TOKENS_SENT, 0)
+            what = (f"after {sent} tokens had reached the client" if sent
+                    else "before any token reached the client")
+            out.append(f"resume {a.get(names.RESUME_INDEX, '?')}: {a.get(names.RESUME_FROM, '?')} failed "
+                       f"({a.get(names.RESUME_REASON, '?')}) {what}; {a.get(names.REPLICA, '?')} continued the "
+                       f"same generation from that text, prefilling about {a.get(names.RESUME_PREFILL_TOKENS, '?')} "
+                       "prompt tokens its cache did not hold")
     return out

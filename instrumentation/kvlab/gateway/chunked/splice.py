@@ -28,6 +28,8 @@ from kvlab.gateway.chunked.settings import ChunkedSettings
 from kvlab.gateway.chunked.slots import CLASSES, SlotQueue, class_rank
 from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.exchange import Exchange
+from kvlab.gateway.relay import error_json
+from kvlab.gateway.resume import resume_body
 from kvlab.telemetry import names
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -64,24 +66,6 @@ def _usage(obj: dict[str, Any], out: _Chunk) -> None:
         out.prompt_tokens = int(u.get("prompt_tokens") or 0)
         out.completion_tokens = int(u.get("completion_tokens") or 0)
         out.cached_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def resume_body(payload: dict[str, Any], operation: str, generated: str) -> dict[str, Any]:
-    """The body of a resumed chunk: the original request with the text generated so far appended."""
-    body = dict(payload)
-    if operation == "chat":
-        messages = list(body["messages"])
-        last = messages[-1] if messages else None
-        if body.get("continue_final_message") and isinstance(last, dict) and isinstance(last.get("content"), str):
-            messages[-1] = {**last, "content": last["content"] + generated}   # the client's own prefill
-        else:
-            messages.append({"role": "assistant", "content": generated})
-        body["messages"] = messages
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
-    else:
-        body["prompt"] = body["prompt"] + generated
-    return body
 
 
 class ChunkedDecode:
@@ -221,8 +205,7 @@ class ChunkedDecode:
                 return await self._relay(resp, c, ident, out, request, headers, on_first_token)
         except (TimeoutError, aiohttp.ClientError) as exc:
             c.status = 502
-            c.error = msgspec.json.encode({"error": {"message": f"{r.name}: {type(exc).__name__}: {exc}",
-                                                     "type": "UpstreamError", "param": None, "code": 502}})
+            c.error = error_json(f"{r.name}: {type(exc).__name__}: {exc}")
             return c, out
 
     async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, ident: dict[str, Any],
