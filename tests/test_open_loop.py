@@ -126,7 +126,7 @@ def test_a_bad_trace_line_is_named(tmp_path, line, message):
 
 def test_trace_names_resolve_to_the_traces_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_TRACES_DIR", str(tmp_path))
-    with pytest.raises(ConfigError, match="download conversation_trace.jsonl from https://github.com/kvcache-ai"):
+    with pytest.raises(ConfigError, match=r"download conversation_trace\.jsonl from https://github\.com/kvcache-ai"):
         resolve("mooncake-conversation")
     write_trace(tmp_path / "synthetic_trace.jsonl", ROWS)
     assert resolve("mooncake-synthetic") == tmp_path / "synthetic_trace.jsonl"

@@ -66,19 +66,30 @@ def _options(parser: Any) -> None:
                         help="write one JSON line per request to this file")
 
 
+_ready: users.Feed | None = None   # headless: the feed made before the run time starts
+
+
+def _feed(opts: Any) -> users.Feed:
+    workload = create(opts.workload, seed=opts.seed, params=json.loads(opts.workload_params or "{}"))
+    return users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy,
+                      schedule=_schedule(workload, opts)).warm()
+
+
 @events.init.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _init(environment: Any, **_: Any) -> None:
+    global _ready
     configure_tracing("kvlab-locust")
     atexit.register(shutdown_tracing)   # at exit, not at `quitting`: spans of requests finishing after it
+    opts = environment.parsed_options
+    if opts is not None and opts.headless:   # the web UI's form may change the options: made at each start
+        _ready = _feed(opts)
 
 
 @events.test_start.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _start(environment: Any, **_: Any) -> None:
-    global _out
+    global _out, _ready
     opts = environment.parsed_options
-    workload = create(opts.workload, seed=opts.seed, params=json.loads(opts.workload_params or "{}"))
-    users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy,
-                            schedule=_schedule(workload, opts))
+    users.FEED, _ready = _ready or _feed(opts), None
     if opts.requests_out and _out is None:
         Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
         # line-buffered, open to the process's end: requests that finish while Locust stops (it counts

@@ -64,13 +64,20 @@ def locust_argv(target: str, out_dir: Path, spec: BenchSpec, run_time_s: float, 
         if ramp is None else ["--ramp", ramp.to_json()]
     rate, process, time_scale = schedule(spec)
     return [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", target, *load,
-            "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
+            "--stop-timeout", str(stop_timeout(spec, run_time_s)), "--csv", str(out_dir / "locust"), "--only-summary",
             "--html", str(out_dir / "locust.html"),
             "--loglevel", "WARNING", "--exit-code-on-error", "0",
             "--workload", spec.workload, "--workload-params", json.dumps(spec.params), "--seed", str(spec.seed),
             "--model", spec.model, "--phase", phase, "--policy", policy,
             "--requests-out", str(out_dir / "requests.jsonl"),
             "--rate", str(rate), "--arrival", process, "--time-scale", str(time_scale)]
+
+
+def stop_timeout(spec: BenchSpec, run_time_s: float) -> int:
+    """Seconds Locust lets requests in flight finish after the run time: 5 for closed-loop users;
+    an open loop's requests drain for up to the phase's length (as `vllm bench serve` waits for
+    its requests), those still running then are recorded unfinished."""
+    return max(5, round(run_time_s)) if spec.open_loop else 5
 
 
 def schedule(spec: BenchSpec) -> tuple[float, str, float]:
@@ -148,7 +155,7 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     with open(out / "locust.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = start + limit_s + 60
+            deadline = start + limit_s + stop_timeout(spec, limit_s) + 60
             while proc.poll() is None:
                 elapsed, records = time.monotonic() - start, tail.poll()
                 if time.monotonic() > deadline:

@@ -50,6 +50,13 @@ class Feed:
         self.dispatching = False
         self.inflight: dict[int, Record] = {}   # open loop: requests sent and not finished
 
+    def warm(self) -> Feed:
+        """Draw the first session now (a workload makes its shared texts then, which takes a while):
+        done before Locust's run time starts, it does not eat into the phase."""
+        first = next(self._sessions)
+        self._sessions = itertools.chain([first], self._sessions)
+        return self
+
     def unfinished(self) -> list[Record]:
         """The open-loop requests still running (at the end of the phase), as error records."""
         now = time.time()
