@@ -26,6 +26,7 @@ from rich.console import Console
 from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
+from kvlab.load import options
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
@@ -94,9 +95,11 @@ def workload_params(topology: Topology, workload: str, given: dict[str, Any]) ->
 
 def bench_spec(args: argparse.Namespace, topology: Topology, preset: dict[str, float]) -> BenchSpec:
     """The bench spec of `kvlab lab ARGS` (parsed once here; the workload's parameters validated now)."""
-    name = args.workload or topology.workload.name
-    params = workload_params(topology, name, json.loads(args.workload_params))
-    create(name, seed=args.seed, params=params)
+    traced = options.trace_workload(args) if getattr(args, "trace", None) else None
+    name, params = traced or (args.workload or topology.workload.name, {})
+    if traced is None:
+        params = workload_params(topology, name, json.loads(args.workload_params))
+        create(name, seed=args.seed, params=params)
     return BenchSpec(workload=name, params=params, users=args.users or int(preset["users"]),
                      duration_s=args.duration or preset["duration"], seed=args.seed, model=topology.model,
                      min_requests=args.min_requests, limit_s=args.phase_limit,
