@@ -184,7 +184,7 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
         for w, spec in specs.items():
             rows, results[w], note = measure(stack, topology, spec, routers, run_dir / w, Labelled(display, w),
                                              tokenizer)
-            sections[w] = {"workload": create(w, seed=spec.seed, params=spec.params).describe(),
+            sections[w] = {"workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(),
                            "oracle_note": note, "routers": [msgspec.to_builtins(r) for r in rows]}
         replicas = stack.replica_names()
     document = {

@@ -172,10 +172,11 @@ def open_loop(records: Sequence[Record], offered_rps: float, arrival: str,
                     unfinished=sum(1 for r in records if r.error == UNFINISHED))
 
 
-def summarize(records: Sequence[Record], slo: Slo | None = None) -> Summary:
+def summarize(records: Sequence[Record], slo: Slo | None = None, min_window_s: float = 0.0) -> Summary:
     """Latency percentiles, throughput, hit-rate decomposition and routing spread of one run.
 
-    Rates use the measured window (first request sent to last one finished); hit rates are token
+    Rates use the measured window (first request sent to last one finished; an open-loop phase's
+    at least its length, `min_window_s`, however its sends bunched up); hit rates are token
     fractions over successful requests: sum(available|predicted|delivered) / sum(prompt tokens),
     computed over the requests that report that number (None when none do, e.g. no gateway);
     `speculative` is the part of `predicted` the gateway's index held only speculatively.
@@ -189,7 +190,7 @@ def summarize(records: Sequence[Record], slo: Slo | None = None) -> Summary:
     if records:
         start = min(r.ts for r in records)
         end = max(r.ts + r.e2e_ms / 1000 for r in records)
-        window = max(end - start, 1e-9)
+        window = max(end - start, min_window_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
 
     def hit(tokens: Callable[[Record], int | None]) -> float | None:
