@@ -14,7 +14,7 @@ import msgspec
 from rich.table import Table
 
 from kvlab.compare.results import Row
-from kvlab.load.summary import Slo
+from kvlab.load.summary import Slo, Summary
 
 KEEP_UP = 0.9
 
@@ -81,6 +81,26 @@ def sweep(workload: str, sections: Mapping[str, Sequence[Row]], slo: Slo) -> Swe
                         key=lambda p: p.offered_rps)
         curves.append(Curve(router=name, points=points, knee_rps=knee(points)))
     return Sweep(workload=workload, sections=list(sections), slo=slo, curves=curves)
+
+
+def from_summaries(workload: str, phases: Mapping[str, Summary]) -> Sweep | None:
+    """A lab's open-loop phases as a sweep (a curve per policy), when they offered two rates or more."""
+    open_ = {name: s for name, s in phases.items() if s.open_loop is not None}
+    if len({s.open_loop.offered_rps for s in open_.values() if s.open_loop}) < 2:
+        return None
+    curves: dict[str, list[Point]] = {}
+    for s in open_.values():
+        loop = s.open_loop
+        assert loop is not None
+        curves.setdefault(s.policy or "?", []).append(Point(
+            offered_rps=loop.offered_rps, rps=s.rps, goodput_rps=s.goodput.rps if s.goodput else None,
+            ttft_p50_ms=s.ttft_ms.p50, ttft_p99_ms=s.ttft_ms.p99, itl_p99_ms=s.token_itl_ms.p99,
+            hit_rate=s.hit_rate.delivered, oracle_hit_rate=None, late=loop.late, unfinished=loop.unfinished,
+            errors=s.errors, requests=s.requests))
+    slo = next((s.goodput.slo for s in open_.values() if s.goodput), Slo())
+    return Sweep(workload=workload, sections=list(open_), slo=slo,
+                 curves=[Curve(router=k, points=sorted(v, key=lambda p: p.offered_rps), knee_rps=knee(v))
+                         for k, v in curves.items()])
 
 
 def _f(value: float | None, fmt: str) -> str:

@@ -13,10 +13,11 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.results import COLUMNS, Row, cells, kv_path_warning
-from kvlab.compare.sweep import HEADERS, Sweep, behind, knees, rows_of
+from kvlab.compare.sweep import Sweep
 from kvlab.load.measure import Record
 from kvlab.report import figures
 from kvlab.report.html import CSS, PLOT_CONFIG
+from kvlab.report.sweep import sweep_section
 
 
 def hit_vs_oracle(rows: list[Row]) -> go.Figure:
@@ -58,42 +59,6 @@ def balance(rows: list[Row]) -> go.Figure:
     return figures._layout(fig, "Requests per replica", barmode="stack")
 
 
-def curves(s: Sweep) -> list[go.Figure]:
-    """Per router against the offered rate: TTFT p50/p99, ITL p99, throughput and goodput."""
-    out = []
-    for title, lines, axis in (
-            ("TTFT vs offered rate (lower is better)", (("p99", "ttft_p99_ms", "solid"), ("p50", "ttft_p50_ms", "dot")),
-             "TTFT (ms)"),
-            ("ITL p99 vs offered rate (lower is better)", (("p99", "itl_p99_ms", "solid"),), "ITL (ms)"),
-            ("Throughput and goodput vs offered rate",
-             (("completed", "rps", "dot"), ("goodput", "goodput_rps", "solid")), "requests / s")):
-        fig = go.Figure()
-        for i, c in enumerate(s.curves):
-            x, color = [p.offered_rps for p in c.points], figures.COLORS[i % len(figures.COLORS)]
-            for label, field, dash in lines:
-                fig.add_trace(go.Scatter(x=x, y=[getattr(p, field) for p in c.points], mode="lines+markers",
-                                         name=f"{c.router} {label}", line={"dash": dash, "color": color}))
-        if axis == "requests / s":
-            top = max((p.offered_rps for c in s.curves for p in c.points), default=1.0)
-            fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="offered",
-                                     line={"color": "#bbbbbb", "dash": "dash"}))
-        fig.update_xaxes(title="offered rate (requests / s)")
-        fig.update_yaxes(title=axis, rangemode="tozero")
-        out.append(figures._layout(fig, title))
-    return out
-
-
-def _sweep_section(s: Sweep) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells_) + "</tr>" for cells_ in rows_of(s))
-    slo = f"goodput SLO: TTFT ≤ {s.slo.ttft_ms:g} ms and TPOT ≤ {s.slo.tpot_ms:g} ms"
-    late = '<p class="note">The dispatcher fell behind at some rates (the <i>late</i> column): those rows ' \
-           'understate the offered load.</p>' if behind(s) else ""
-    return (f"<h2>{html.escape(s.workload)}: rate sweep</h2><div class=\"meta\">{html.escape(slo)} · saturation "
-            f"knee: {html.escape(knees(s))}</div><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-            f"{late}<div class=\"grid\">{''.join(_div(f) for f in curves(s))}</div>")
-
-
 def _div(fig: go.Figure) -> str:
     return f"<div>{pio.to_html(fig, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG)}</div>"
 
@@ -115,7 +80,7 @@ def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]
     """document: compare.json; records: {workload: {router: requests.jsonl records}}."""
     meta = " · ".join(html.escape(f"{k}: {document[k]}") for k in ("id", "engine", "replicas", "users", "duration_s",
                                                                     "seed") if k in document)
-    sections = [_sweep_section(msgspec.convert(sw, Sweep)) for sw in document.get("sweeps", {}).values()]
+    sections = [sweep_section(msgspec.convert(sw, Sweep)) for sw in document.get("sweeps", {}).values()]
     for w, section in document["workloads"].items():
         rows = [Row(**r) for r in section["routers"]]
         grid = "".join(_div(f) for f in (hit_vs_oracle(rows), ttft(rows), throughput(rows), balance(rows)))
