@@ -200,3 +200,54 @@ def test_sweep_specs_one_per_rate(trace_file):
     [replay] = options.specs(args, BenchSpec(workload=name, params=params))
     assert replay.time_scale == 1.0 and replay.open_loop and params["token_scale"] == 0.1
     assert not options.specs(namespace(), spec)[0].open_loop
+
+
+def test_sweep_knee_is_the_last_rate_kept_up_with():
+    from kvlab.compare.sweep import Point, knee
+
+    def pt(offered, rps, unfinished=0):
+        return Point(offered_rps=offered, rps=rps, goodput_rps=None, ttft_p50_ms=None, ttft_p99_ms=None,
+                     itl_p99_ms=None, hit_rate=None, oracle_hit_rate=None, late=0, unfinished=unfinished,
+                     errors=0, requests=10)
+
+    assert knee([pt(4, 3.7), pt(2, 2.0), pt(8, 5.0)]) == 4        # 3.7 >= 0.9 x 4; 5 < 0.9 x 8
+    assert knee([pt(2, 2.0), pt(4, 4.0, unfinished=3)]) == 2      # requests left running: not kept up
+    assert knee([pt(2, 1.0)]) is None
+
+
+def test_the_oracle_fed_by_a_trace_counts_only_shared_blocks(tmp_path):
+    from kvlab.load.oracle import oracle
+
+    shared = Trace(params={"path": str(write_trace(tmp_path / "s.jsonl", ROWS[:2])), "token_scale": 0.25})
+    alone = Trace(params={"path": str(write_trace(tmp_path / "a.jsonl", [ROWS[0], ROWS[2]])), "token_scale": 0.25})
+    tok = PromptTokenizer()
+    hit = oracle(shared.requests(2), 16, replicas=2, blocks_per_replica=None, tokenizer=tok)
+    miss = oracle(alone.requests(2), 16, replicas=2, blocks_per_replica=None, tokenizer=tok)
+    # the second prompt reuses the first one's two 128-token blocks (and the template's opening), no more
+    assert 2 * 128 - 16 <= hit.hit_tokens <= 2 * 128 + 16
+    assert miss.hit_tokens <= 16   # at most the chat template's opening block
+    assert oracle(shared.requests(2), 16, replicas=1, blocks_per_replica=4, tokenizer=tok).hit_tokens < hit.hit_tokens
+
+
+def test_a_labs_open_loop_phases_become_a_sweep_in_its_report():
+    from kvlab.compare.sweep import from_summaries
+    from kvlab.report.sweep import sweep_section
+
+    slo = Slo(ttft_ms=500, tpot_ms=50)
+
+    def phase(policy, rate, ttft):
+        records = [rec(ttft, 10, ts=i / rate, e2e=ttft + 100) for i in range(int(rate * 10))]
+        s = summarize(records, slo, min_window_s=10.0)
+        return s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "policy": policy,
+                              "open_loop": open_loop(records, rate, "poisson")})
+
+    phases = {"rr@2": phase("rr", 2, 100), "rr@4": phase("rr", 4, 900), "kv@2": phase("kv", 2, 100),
+              "kv@4": phase("kv", 4, 200)}
+    s = from_summaries("shared-prefix", phases)
+    assert s is not None and [c.router for c in s.curves] == ["rr", "kv"]
+    rr, kv = s.curves
+    assert [p.offered_rps for p in rr.points] == [2, 4] and rr.points[1].goodput_rps == 0.0
+    assert kv.points[1].goodput_rps == pytest.approx(4.0, rel=0.05) and kv.knee_rps == 4
+    html = sweep_section(s)
+    assert "saturation knee" in html and "TTFT ≤ 500 ms" in html
+    assert from_summaries("w", {"a": phases["rr@2"], "b": phases["kv@2"]}) is None   # one rate: no sweep

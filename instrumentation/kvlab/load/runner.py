@@ -175,8 +175,8 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
     summary = msgspec.structs.replace(
-        summarize(records, spec.slo, duration_s if spec.open_loop else 0.0), open_loop=offered(spec, records), phase=phase, policy=policy, target=target,
-        users=None if spec.open_loop else users, seed=spec.seed,
+        summarize(records, spec.slo, duration_s if spec.open_loop else 0.0), open_loop=offered(spec, records),
+        phase=phase, policy=policy, target=target, users=None if spec.open_loop else users, seed=spec.seed,
         workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
         min_requests=min_requests, limit_s=limit_s if min_requests else None)
     (out / "summary.json").write_text(summary.to_json())
