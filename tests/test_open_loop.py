@@ -251,3 +251,16 @@ def test_a_labs_open_loop_phases_become_a_sweep_in_its_report():
     html = sweep_section(s)
     assert "saturation knee" in html and "TTFT ≤ 500 ms" in html
     assert from_summaries("w", {"a": phases["rr@2"], "b": phases["kv@2"]}) is None   # one rate: no sweep
+
+
+@pytest.mark.parametrize("command", ["lab", "compare"])
+@pytest.mark.parametrize("argv", [["--rate", "2", "--users", "3"], ["--rates", "2,0"], ["--trace", "nope.jsonl"],
+                                  ["--trace", "nope.jsonl", "--token-scale", "0"]])
+def test_lab_and_compare_refuse_bad_open_loop_input_before_starting(command, argv, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.setenv("KVLAB_RUNS_DIR", str(tmp_path / "runs"))
+    main = importlib.import_module("kvlab.lab" if command == "lab" else "kvlab.compare.command").main
+    assert main(argv) == 1
+    assert f"kvlab {command}:" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()   # no run directory, nothing started
