@@ -155,6 +155,7 @@ def test_open_loop_summary_reports_lateness_and_unfinished():
     records = [rec(100, 10, lateness=1), rec(100, 10, lateness=80), rec(None, None, UNFINISHED, lateness=2)]
     loop = open_loop(records, 4.0, "poisson")
     assert (loop.sent, loop.late, loop.unfinished, loop.lateness_max_ms) == (3, 1, 1, 80)
+    assert open_loop(records, 4.0, "trace", 0.5, duration_s=2.0).sent_rps == 1.5
     assert loop.behind
     assert not open_loop([rec(1, 1, lateness=1)] * 200, 4.0, "poisson").behind
 
@@ -205,14 +206,16 @@ def test_sweep_specs_one_per_rate(trace_file):
 def test_sweep_knee_is_the_last_rate_kept_up_with():
     from kvlab.compare.sweep import Point, knee
 
-    def pt(offered, rps, unfinished=0):
-        return Point(offered_rps=offered, rps=rps, goodput_rps=None, ttft_p50_ms=None, ttft_p99_ms=None,
+    def pt(offered, rps, unfinished=0, sent=None):
+        return Point(offered_rps=offered, sent_rps=sent, rps=rps, goodput_rps=None, ttft_p50_ms=None, ttft_p99_ms=None,
                      itl_p99_ms=None, hit_rate=None, oracle_hit_rate=None, late=0, unfinished=unfinished,
                      errors=0, requests=10)
 
     assert knee([pt(4, 3.7), pt(2, 2.0), pt(8, 5.0)]) == 4        # 3.7 >= 0.9 x 4; 5 < 0.9 x 8
     assert knee([pt(2, 2.0), pt(4, 4.0, unfinished=3)]) == 2      # requests left running: not kept up
     assert knee([pt(2, 1.0)]) is None
+    # a trace whose start sends slower than its mean rate: judged against what it sent
+    assert knee([pt(2, 1.9, sent=1.9), pt(4, 3.55, sent=3.55), pt(8, 4.7, sent=6.6)]) == 4
 
 
 def test_the_oracle_fed_by_a_trace_counts_only_shared_blocks(tmp_path):

@@ -48,6 +48,7 @@ class Row(msgspec.Struct, kw_only=True):
     peer_counters: dict[str, float] = {}   # the peer's own `vllm_router_kv_*` counters at the end
     # open loop (None for closed-loop users): docs/open-loop.md
     offered_rps: float | None = None
+    sent_rps: float | None = None       # what the phase actually sent per second of its length
     arrival: str | None = None
     itl_p99_ms: float | None = None     # every gap between two tokens, p99 (vLLM's ITL percentiles)
     goodput_rps: float | None = None    # requests/s that met the run's SLO on TTFT and TPOT
@@ -117,7 +118,8 @@ def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
                output_tok_s=summary.output_tok_s, replica_requests=served, peer_counters=peer_counters,
                max_load=round(max(served.values()) * len(served) / total, 3) if total else None,
                itl_p99_ms=summary.token_itl_ms.p99, goodput_rps=summary.goodput.rps if summary.goodput else None,
-               offered_rps=loop.offered_rps if loop else None, arrival=loop.arrival if loop else None,
+               offered_rps=loop.offered_rps if loop else None, sent_rps=loop.sent_rps if loop else None,
+               arrival=loop.arrival if loop else None,
                late=loop.late if loop else None, unfinished=loop.unfinished if loop else None)
 
 

@@ -3,7 +3,8 @@
 `kvlab compare --rates R1,R2,...` runs every router at every rate (one compare section per
 workload and rate); this gathers those rows into one curve per router and finds its saturation
 knee: the highest offered rate the router still kept up with, completing at least KEEP_UP of the
-offered requests per second with none left unfinished (docs/open-loop.md).
+requests per second the phase sent (a trace's start may send slower or faster than its mean rate)
+with none left unfinished (docs/open-loop.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Point(msgspec.Struct, kw_only=True):
     """One router at one offered rate."""
 
     offered_rps: float
+    sent_rps: float | None     # what was sent per second of the phase (None: an older result)
     rps: float
     goodput_rps: float | None
     ttft_p50_ms: float | None
@@ -52,7 +54,7 @@ class Sweep(msgspec.Struct, kw_only=True):
 
 
 def kept_up(p: Point) -> bool:
-    return p.rps >= KEEP_UP * p.offered_rps and not p.unfinished
+    return p.rps >= KEEP_UP * (p.sent_rps if p.sent_rps is not None else p.offered_rps) and not p.unfinished
 
 
 def knee(points: Sequence[Point]) -> float | None:
@@ -66,7 +68,8 @@ def knee(points: Sequence[Point]) -> float | None:
 
 
 def point(r: Row) -> Point:
-    return Point(offered_rps=r.offered_rps or 0.0, rps=r.rps, goodput_rps=r.goodput_rps, ttft_p50_ms=r.ttft_p50_ms,
+    return Point(offered_rps=r.offered_rps or 0.0, sent_rps=r.sent_rps, rps=r.rps, goodput_rps=r.goodput_rps,
+                 ttft_p50_ms=r.ttft_p50_ms,
                  ttft_p99_ms=r.ttft_p99_ms, itl_p99_ms=r.itl_p99_ms, hit_rate=r.hit_rate,
                  oracle_hit_rate=r.oracle_hit_rate, late=r.late, unfinished=r.unfinished, errors=r.errors,
                  requests=r.requests)
@@ -93,7 +96,8 @@ def from_summaries(workload: str, phases: Mapping[str, Summary]) -> Sweep | None
         loop = s.open_loop
         assert loop is not None
         curves.setdefault(s.policy or "?", []).append(Point(
-            offered_rps=loop.offered_rps, rps=s.rps, goodput_rps=s.goodput.rps if s.goodput else None,
+            offered_rps=loop.offered_rps, sent_rps=loop.sent_rps, rps=s.rps,
+            goodput_rps=s.goodput.rps if s.goodput else None,
             ttft_p50_ms=s.ttft_ms.p50, ttft_p99_ms=s.ttft_ms.p99, itl_p99_ms=s.token_itl_ms.p99,
             hit_rate=s.hit_rate.delivered, oracle_hit_rate=None, late=loop.late, unfinished=loop.unfinished,
             errors=s.errors, requests=s.requests))
@@ -107,7 +111,7 @@ def _f(value: float | None, fmt: str) -> str:
     return fmt.format(value) if value is not None else "–"
 
 
-HEADERS = ["router", "offered req/s", "req/s", "goodput", "TTFT p50", "TTFT p99", "ITL p99", "hit rate",
+HEADERS = ["router", "offered req/s", "sent req/s", "req/s", "goodput", "TTFT p50", "TTFT p99", "ITL p99", "hit rate",
            "oracle", "late", "unfinished"]
 
 
@@ -116,7 +120,8 @@ def rows_of(s: Sweep) -> list[list[str]]:
     out = []
     for c in s.curves:
         for p in c.points:
-            out.append([c.router, f"{p.offered_rps:g}", f"{p.rps:.2f}", _f(p.goodput_rps, "{:.2f}"),
+            out.append([c.router, f"{p.offered_rps:g}", _f(p.sent_rps, "{:.2f}"), f"{p.rps:.2f}",
+                        _f(p.goodput_rps, "{:.2f}"),
                         _f(p.ttft_p50_ms, "{:.0f}"), _f(p.ttft_p99_ms, "{:.0f}"), _f(p.itl_p99_ms, "{:.0f}"),
                         _f(p.hit_rate, "{:.3f}"), _f(p.oracle_hit_rate, "{:.3f}"), _f(p.late, "{}"),
                         _f(p.unfinished, "{}")])
@@ -138,7 +143,8 @@ def table(s: Sweep) -> Table:
     """The terminal table of one sweep."""
     t = Table(title=f"{s.workload} · rate sweep · goodput SLO: TTFT ≤ {s.slo.ttft_ms:g} ms, TPOT ≤ "
                     f"{s.slo.tpot_ms:g} ms · latencies in ms", title_justify="left",
-              caption=f"saturation knee (kept ≥ {KEEP_UP:.0%} of the offered rate): {knees(s)}", caption_justify="left")
+              caption=f"saturation knee (completed ≥ {KEEP_UP:.0%} of the sent rate): {knees(s)}",
+              caption_justify="left")
     for i, h in enumerate(HEADERS):
         t.add_column(h, justify="left" if i == 0 else "right")
     for cells in rows_of(s):

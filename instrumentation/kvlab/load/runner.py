@@ -91,15 +91,15 @@ def schedule(spec: BenchSpec) -> tuple[float, str, float]:
     return 0.0, "poisson", 0.0
 
 
-def offered(spec: BenchSpec, records: list[Record]) -> OpenLoop | None:
+def offered(spec: BenchSpec, records: list[Record], duration_s: float) -> OpenLoop | None:
     """The open-loop part of a phase's summary (None for closed-loop users)."""
     if not spec.open_loop:
         return None
     rate, process, time_scale = schedule(spec)
     if time_scale:
         trace_rate = Trace(seed=spec.seed, params=spec.params).rate
-        return open_loop(records, trace_rate / time_scale, "trace", round(time_scale, 6))
-    return open_loop(records, rate, process)
+        return open_loop(records, trace_rate / time_scale, "trace", round(time_scale, 6), duration_s)
+    return open_loop(records, rate, process, duration_s=duration_s)
 
 
 def slow_part(records: list[Record], elapsed_s: float) -> str:
@@ -175,8 +175,9 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
     summary = msgspec.structs.replace(
-        summarize(records, spec.slo, duration_s if spec.open_loop else 0.0), open_loop=offered(spec, records),
-        phase=phase, policy=policy, target=target, users=None if spec.open_loop else users, seed=spec.seed,
+        summarize(records, spec.slo, duration_s if spec.open_loop else 0.0),
+        open_loop=offered(spec, records, duration_s), phase=phase, policy=policy, target=target,
+        users=None if spec.open_loop else users, seed=spec.seed,
         workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
         min_requests=min_requests, limit_s=limit_s if min_requests else None)
     (out / "summary.json").write_text(summary.to_json())

@@ -67,6 +67,8 @@ class OpenLoop(msgspec.Struct, kw_only=True):
     arrival: str                  # poisson | constant | gamma:CV | trace
     time_scale: float | None = None   # a trace's timestamps times this
     sent: int = 0
+    sent_rps: float | None = None     # sent / the phase's length: what was offered (a trace's start
+                                      # can be slower or faster than its mean)
     lateness_ms: Percentiles = msgspec.field(default_factory=Percentiles)
     lateness_max_ms: float | None = None
     late: int = 0
@@ -162,11 +164,13 @@ def goodput(records: Sequence[Record], slo: Slo, window_s: float) -> Goodput:
                    share=_fraction(met, len(records)))
 
 
-def open_loop(records: Sequence[Record], offered_rps: float, arrival: str,
-              time_scale: float | None = None) -> OpenLoop:
-    """The dispatcher's lateness over the requests it sent (unfinished ones included)."""
+def open_loop(records: Sequence[Record], offered_rps: float, arrival: str, time_scale: float | None = None,
+              duration_s: float | None = None) -> OpenLoop:
+    """The dispatcher's lateness over the requests it sent (unfinished ones included) in a phase
+    of `duration_s`."""
     late = [r.lateness_ms for r in records if r.lateness_ms is not None]
     return OpenLoop(offered_rps=round(offered_rps, 4), arrival=arrival, time_scale=time_scale, sent=len(records),
+                    sent_rps=round(len(records) / duration_s, 4) if duration_s else None,
                     lateness_ms=_pcts(late), lateness_max_ms=round(max(late), 3) if late else None,
                     late=sum(1 for x in late if x > LATE_MS),
                     unfinished=sum(1 for r in records if r.error == UNFINISHED))
