@@ -20,7 +20,7 @@ def n_tokens(text: str) -> int:
     return len(tok.encode(text))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "trace"])   # trace needs a file: test_open_loop.py
 def test_same_seed_same_stream_other_seed_other_stream(name):
     a = create(name, seed=7).requests(20)
     b = create(name, seed=7).requests(20)
@@ -141,7 +141,7 @@ from kvlab.load.workloads import create
 reqs = create("agentic", seed=3, params={"tool_seconds": 0.25}).session(0)[:3]
 slept, sent = [], []
 users.time.sleep = slept.append
-users.FEED = type("Feed", (), {"next_session": lambda self: (0, reqs)})()
+users.FEED = type("Feed", (), {"next_session": lambda self: (0, reqs), "schedule": None})()
 users.ChatUser.send = lambda self, f, req, session, step: sent.append((step, len(slept))) or type("R", (), {"status": 200})()
 users.ChatUser.run_session(users.ChatUser.__new__(users.ChatUser))
 print(sent, slept)

@@ -26,6 +26,7 @@ from rich.console import Console
 from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
+from kvlab.load import options
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
@@ -71,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default="kind-kvlab", help="--cluster: the kube context")
     p.add_argument("--namespace", default="kvlab", help="--cluster: the namespace")
     p.add_argument("--dry-run", action="store_true", help="--cluster: print the deploy steps and phases; touch nothing")
+    options.add_arguments(p)
     return p
 
 
@@ -94,9 +96,11 @@ def workload_params(topology: Topology, workload: str, given: dict[str, Any]) ->
 
 def bench_spec(args: argparse.Namespace, topology: Topology, preset: dict[str, float]) -> BenchSpec:
     """The bench spec of `kvlab lab ARGS` (parsed once here; the workload's parameters validated now)."""
-    name = args.workload or topology.workload.name
-    params = workload_params(topology, name, json.loads(args.workload_params))
-    create(name, seed=args.seed, params=params)
+    traced = options.trace_workload(args) if getattr(args, "trace", None) else None
+    name, params = traced or (args.workload or topology.workload.name, {})
+    if traced is None:
+        params = workload_params(topology, name, json.loads(args.workload_params))
+        create(name, seed=args.seed, params=params)
     return BenchSpec(workload=name, params=params, users=args.users or int(preset["users"]),
                      duration_s=args.duration or preset["duration"], seed=args.seed, model=topology.model,
                      min_requests=args.min_requests, limit_s=args.phase_limit,
@@ -110,9 +114,20 @@ def _run_dir(args: argparse.Namespace, label: str) -> Path:
     return run_dir
 
 
+def _load(spec: BenchSpec, sweep: list[BenchSpec] | None = None) -> dict[str, Any]:
+    """How the load was sent: closed-loop users, or an open loop's rates (a trace's timing)."""
+    if spec.arrival is not None:
+        rates = ",".join(f"{s.arrival.rate:g}" for s in sweep or [spec] if s.arrival)
+        return {"open loop": f"{spec.arrival.label} at {rates} req/s"}
+    if spec.time_scale is not None:
+        return {"open loop": f"trace timestamps × {spec.time_scale:g}"}
+    return {"users": spec.users}
+
+
 def _plan(spec: BenchSpec, phases: list[Phase]) -> str:
     params = json.dumps(spec.params) + " " if spec.params else ""
-    return (f"workload {spec.workload} {params}(seed {spec.seed}) · {spec.users} users · "
+    load = ", ".join(f"{k} {v}" if k != "users" else f"{v} users" for k, v in _load(spec).items())
+    return (f"workload {spec.workload} {params}(seed {spec.seed}) · {load} · "
             f"{spec.duration_s:.0f} s per phase · phases: {' → '.join(p.name for p in phases)}")
 
 
@@ -124,8 +139,13 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
             raise KvlabError("--cluster runs what `kvlab cluster deploy` deployed: --engine and --replicas "
                              "do not apply (deploy another --topology instead)")
         topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
-        return run_cluster_lab(args, topology, bench_spec(args, topology, QUICK if args.quick else FULL), console)
+        options.check(args)
+        [spec, *more] = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+        if more:
+            raise KvlabError("--cluster runs one rate: --rate, not --rates")
+        return run_cluster_lab(args, topology, spec, console)
     topology = _topology(args)
+    _open(args, topology)
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
@@ -134,13 +154,24 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
                              quick=args.quick, duration_s=args.duration, users=args.users,
                              run_dir=Path(args.run_dir) if args.run_dir else None)
     resolve(policies)   # an unknown router fails here, before anything starts
-    return run_local_lab(args, topology, bench_spec(args, topology, QUICK if args.quick else FULL),
-                         [Phase(p, p) for p in policies], console)
+    specs = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+    if len(specs) == 1:
+        return run_local_lab(args, topology, specs[0], [Phase(p, p) for p in policies], console)
+    # a rate sweep: every policy at every rate, `<policy>@<rate>`
+    return run_local_lab(args, topology, specs[0], [Phase(p, p) for p in policies], console, sweep=specs)
+
+
+def _open(args: argparse.Namespace, topology: Topology) -> None:
+    """The open-loop options checked before anything starts (not for the autoscale scenario)."""
+    options.check(args)
+    if topology.gateway.autoscale is not None and (args.rate or args.rates or args.trace):
+        raise KvlabError("the autoscale scenario ramps closed-loop users: --rate/--rates/--trace do not apply")
 
 
 def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec, phases: list[Phase],
-                  console: Console) -> Path:
-    """The phases on a local stack (replicas started once, a fresh gateway per phase)."""
+                  console: Console, sweep: list[BenchSpec] | None = None) -> Path:
+    """The phases on a local stack (replicas started once, a fresh gateway per phase); with `sweep`,
+    the phases once per spec (rate), named `<policy>@<rate>`."""
     doctor = preflight(console, topology.engine)
     run_dir = _run_dir(args, "lab")
     console.rule(f"[bold]kvlab lab[/bold] {run_dir.name}")
@@ -148,7 +179,14 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
     started = time.monotonic()
     with local_routers(console, topology, run_dir, resolve([p.policy for p in phases]), doctor.advice) as stack, \
             RichDisplay(console, waiting="starting router...") as display:   # presets and peers alike
-        results = run_phases(stack, spec, phases, run_dir, display)
+        if sweep is None:
+            results = run_phases(stack, spec, phases, run_dir, display)
+        else:
+            results = []
+            for each in sweep:
+                rate = f"@{each.arrival.rate:g}" if each.arrival else ""
+                results += run_phases(stack, each, [Phase(p.name + rate, p.policy) for p in phases], run_dir,
+                                      display, first=len(results) + 1)
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
@@ -159,7 +197,7 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
                     "dtype": doctor.choices.dtype if topology.engine == "vllm" else None},
     }
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
-            "workload": spec.workload, "seed": spec.seed, "users": spec.users, "seconds per phase": spec.duration_s}
+            "workload": spec.workload, "seed": spec.seed, **_load(spec, sweep), "seconds per phase": spec.duration_s}
     finish(console, run_dir, results, document, meta,
            f"{stack.base.traces_dir or stack.otlp_endpoint or 'off'}  (kvlab traces explain)")
     return run_dir

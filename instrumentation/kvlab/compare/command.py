@@ -22,13 +22,17 @@ from rich.console import Console
 from kvlab.compare.cluster import cluster_routers, default_routers, print_plan, refuse_local
 from kvlab.compare.results import Row, ceiling_for, kv_path_warning, request_counts, row, table
 from kvlab.compare.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
+from kvlab.compare.sweep import Sweep, behind, sweep
+from kvlab.compare.sweep import table as sweep_table
 from kvlab.doctor import Report, preflight
 from kvlab.errors import ConfigError
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.lab import DEFAULT_TOPOLOGY, _run_dir, _topology, bench_spec
+from kvlab.load import options
 from kvlab.load.runner import Progress
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
+from kvlab.load.workloads.trace import NAMED as TRACE_NAMES
 from kvlab.run.command import guarded
 from kvlab.run.phases import Display, Phase, PhaseResult, RichDisplay, run_phases
 from kvlab.stack.state import write_json
@@ -72,17 +76,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="kvlab", help="--cluster: the namespace")
     p.add_argument("--dry-run", action="store_true",
                    help="--cluster: print the deploy steps and what each router benches; touch nothing")
+    options.add_arguments(p)
     return p
 
 
 def _specs(args: argparse.Namespace, topology: Topology) -> dict[str, BenchSpec]:
-    workloads = [w.strip() for w in (args.workload or topology.workload.name).split(",") if w.strip()]
+    """A spec per section: per workload, and with --rates per workload and rate (`<workload>@<rate>`)."""
+    options.check(args)
+    if args.trace:
+        workloads = [trace_label(args.trace)]
+    else:
+        workloads = [w.strip() for w in (args.workload or topology.workload.name).split(",") if w.strip()]
     if len(workloads) > 1 and args.workload_params.strip() not in {"", "{}"}:
         raise ConfigError("--workload-params applies to one workload; run the others separately")
     for w in workloads:
-        if w not in NAMES:
+        if w not in NAMES and not args.trace:
             raise ConfigError(f"unknown workload {w!r}; choose one of: {', '.join(NAMES)}")
-    return {w: bench_spec(argparse.Namespace(**{**vars(args), "workload": w}), topology, PRESET) for w in workloads}
+    out = {}
+    for w in workloads:
+        given = argparse.Namespace(**{**vars(args), "workload": None if args.trace else w})
+        base = bench_spec(given, topology, PRESET)
+        specs = options.specs(args, base)
+        for spec in specs:
+            out[f"{w}@{spec.arrival.rate:g}" if args.rates and spec.arrival else w] = spec
+    return out
+
+
+def trace_label(trace: str) -> str:
+    """A trace's section name: its name, or its file's stem."""
+    return trace if trace in TRACE_NAMES else Path(trace).stem
 
 
 class Labelled:
@@ -149,7 +171,9 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
     first = next(iter(specs.values()))
     where = f"cluster {args.context}/{args.namespace}" if args.cluster else \
         f"{topology.total_replicas} {topology.engine} replicas"
-    console.print(f"{where} · workloads {', '.join(specs)} (seed {first.seed}) · {first.users} users · "
+    load = f"{first.users} users" if not first.open_loop else \
+        f"open loop ({first.arrival.label if first.arrival else 'trace timing'})"
+    console.print(f"{where} · workloads {', '.join(specs)} (seed {first.seed}) · {load} · "
                   f"{first.duration_s:.0f} s per router · routers: {', '.join(r.name for r in routers)}")
     tokenizer = PromptTokenizer(Tokenizer(topology.tokenizer)) if topology.tokenizer else PromptTokenizer()
     started = time.monotonic()
@@ -160,7 +184,7 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
         for w, spec in specs.items():
             rows, results[w], note = measure(stack, topology, spec, routers, run_dir / w, Labelled(display, w),
                                              tokenizer)
-            sections[w] = {"workload": create(w, seed=spec.seed, params=spec.params).describe(),
+            sections[w] = {"workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(),
                            "oracle_note": note, "routers": [msgspec.to_builtins(r) for r in rows]}
         replicas = stack.replica_names()
     document = {
@@ -170,6 +194,8 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
         "seed": first.seed, "wall_s": round(time.monotonic() - started, 1),
         "machine": {"isa": doctor.cpu.isa.level, "cores": doctor.cpu.cores} if doctor else None,
         "workloads": sections,
+        "slo": msgspec.to_builtins(first.slo),
+        "sweeps": {w: msgspec.to_builtins(sw) for w, sw in _sweeps(specs, sections).items()},
     }
     if args.cluster:   # the replicas are the ready pods; what each reset answered, per workload and router
         document["cluster"] = {"context": args.context, "namespace": args.namespace, "replica_pods": replicas,
@@ -184,6 +210,11 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
         console.print(table(w, rows, section["oracle_note"]))
         for warning in filter(None, map(kv_path_warning, rows)):
             console.print(f"[yellow]![/yellow] {w} · {warning}")
+    for sw in _sweeps(specs, sections).values():
+        console.print(sweep_table(sw))
+        if behind(sw):
+            console.print("[yellow]![/yellow] the dispatcher fell behind at some rates (the `late` column): those "
+                          "rows understate the offered load")
     if args.cluster:
         from kvlab.stack.kind.phases import policy_warning
 
@@ -191,6 +222,16 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
             console.print(wrong, style="yellow", markup=False)
     console.print(f"report:  {report}\nresults: {run_dir / 'compare.json'}")
     return run_dir
+
+
+def _sweeps(specs: dict[str, BenchSpec], sections: dict[str, Any]) -> dict[str, Sweep]:
+    """Per workload swept over several rates (sections `<workload>@<rate>`), its curves."""
+    by: dict[str, dict[str, list[Row]]] = {}
+    for name, spec in specs.items():
+        if "@" in name and spec.arrival is not None:
+            by.setdefault(name.rsplit("@", 1)[0], {})[name] = [Row(**r) for r in sections[name]["routers"]]
+    first = next(iter(specs.values()))
+    return {w: sweep(w, rows, first.slo) for w, rows in by.items()}
 
 
 def _stack(args: argparse.Namespace, topology: Topology, run_dir: Path, routers: list[Router], console: Console,

@@ -46,6 +46,14 @@ class Row(msgspec.Struct, kw_only=True):
     replica_requests: dict[str, int]   # from each replica's own counter
     max_load: float | None             # busiest replica's share / an even share (1.0 = even)
     peer_counters: dict[str, float] = {}   # the peer's own `vllm_router_kv_*` counters at the end
+    # open loop (None for closed-loop users): docs/open-loop.md
+    offered_rps: float | None = None
+    sent_rps: float | None = None       # what the phase actually sent per second of its length
+    arrival: str | None = None
+    itl_p99_ms: float | None = None     # every gap between two tokens, p99 (vLLM's ITL percentiles)
+    goodput_rps: float | None = None    # requests/s that met the run's SLO on TTFT and TPOT
+    late: int | None = None             # sends more than LATE_MS after their scheduled time
+    unfinished: int | None = None       # still running when the phase ended
 
 
 # vllm-router's `vllm_router_kv_placement_lookups_total{result=...}` values that credit no cached
@@ -101,14 +109,18 @@ def row(router: str, peer: bool, summary: Summary, ceiling: Oracle | None,
     total = sum(served.values())
     hit = summary.hit_rate.delivered
     top = ceiling.hit_rate if ceiling is not None and ceiling.prompt_tokens else None
-    ttft, itl = summary.ttft_ms, summary.itl_ms
+    ttft, itl, loop = summary.ttft_ms, summary.itl_ms, summary.open_loop
     return Row(router=router, peer=peer, requests=summary.requests, ok=summary.ok, errors=summary.errors,
                first_error=summary.first_error, hit_rate=hit,
                oracle_hit_rate=round(top, 4) if top is not None else None, share_of_oracle=_ratio(hit, top),
                ttft_p50_ms=ttft.p50, ttft_p95_ms=ttft.p95, ttft_p99_ms=ttft.p99,
                itl_p50_ms=itl.p50, itl_p95_ms=itl.p95, rps=summary.rps,
                output_tok_s=summary.output_tok_s, replica_requests=served, peer_counters=peer_counters,
-               max_load=round(max(served.values()) * len(served) / total, 3) if total else None)
+               max_load=round(max(served.values()) * len(served) / total, 3) if total else None,
+               itl_p99_ms=summary.token_itl_ms.p99, goodput_rps=summary.goodput.rps if summary.goodput else None,
+               offered_rps=loop.offered_rps if loop else None, sent_rps=loop.sent_rps if loop else None,
+               arrival=loop.arrival if loop else None,
+               late=loop.late if loop else None, unfinished=loop.unfinished if loop else None)
 
 
 def ceiling_for(workload: Workload[Any], records: list[Record], block_size: int, replicas: int,

@@ -3,21 +3,27 @@
 Options (Locust custom arguments, shown in the web UI, or env vars): --workload (KVLAB_WORKLOAD),
 --workload-params JSON (KVLAB_WORKLOAD_PARAMS), --seed (KVLAB_SEED), --model (KVLAB_MODEL),
 --phase / --policy labels (KVLAB_PHASE, KVLAB_POLICY), --requests-out FILE (KVLAB_REQUESTS_OUT:
-one JSON line per request). Without --host the gateway of the newest local stack
+one JSON line per request). Open loop: --rate R (KVLAB_RATE) with --arrival poisson|constant|gamma:CV
+(KVLAB_ARRIVAL), or --time-scale F (KVLAB_TIME_SCALE) to replay the `trace` workload at its own
+timestamps times F; run it with one user (docs/open-loop.md). Without --host the gateway of the newest local stack
 (runs/latest/stack.json) is the target.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
 from locust import events
 
 from kvlab.load import users
+from kvlab.load.arrival import arrival
 from kvlab.load.users import ChatUser
 from kvlab.load.workloads import NAMES, create
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
@@ -50,28 +56,63 @@ def _options(parser: Any) -> None:
     parser.add_argument("--phase", default="", env_var="KVLAB_PHASE", help="label written to each record")
     parser.add_argument("--policy", default="", env_var="KVLAB_POLICY",
                         help="label written to each record (the gateway's header wins)")
+    parser.add_argument("--rate", type=float, default=0.0, env_var="KVLAB_RATE",
+                        help="open loop: requests/s (0: closed loop, each user sends when its last reply ends)")
+    parser.add_argument("--arrival", default="poisson", env_var="KVLAB_ARRIVAL",
+                        help="open loop: poisson | constant | gamma:CV")
+    parser.add_argument("--time-scale", type=float, default=0.0, env_var="KVLAB_TIME_SCALE",
+                        help="open loop, trace workload: its timestamps times this (0: not a trace replay)")
     parser.add_argument("--requests-out", default="", env_var="KVLAB_REQUESTS_OUT",
                         help="write one JSON line per request to this file")
 
 
+_ready: users.Feed | None = None   # headless: the feed made before the run time starts
+
+
+def _feed(opts: Any) -> users.Feed:
+    workload = create(opts.workload, seed=opts.seed, params=json.loads(opts.workload_params or "{}"))
+    return users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy,
+                      schedule=_schedule(workload, opts)).warm()
+
+
 @events.init.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _init(environment: Any, **_: Any) -> None:
+    global _ready
     configure_tracing("kvlab-locust")
     atexit.register(shutdown_tracing)   # at exit, not at `quitting`: spans of requests finishing after it
+    opts = environment.parsed_options
+    if opts is not None and opts.headless:   # the web UI's form may change the options: made at each start
+        _ready = _feed(opts)
 
 
 @events.test_start.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
 def _start(environment: Any, **_: Any) -> None:
-    global _out
+    global _out, _ready
     opts = environment.parsed_options
-    workload = create(opts.workload, seed=opts.seed, params=json.loads(opts.workload_params or "{}"))
-    users.FEED = users.Feed(workload, model=opts.model, phase=opts.phase, policy=opts.policy)
+    users.FEED, _ready = _ready or _feed(opts), None
     if opts.requests_out and _out is None:
         Path(opts.requests_out).parent.mkdir(parents=True, exist_ok=True)
         # line-buffered, open to the process's end: requests that finish while Locust stops (it counts
         # them) are recorded too
         _out = open(opts.requests_out, "a", buffering=1)   # noqa: SIM115 (open for the whole test)
         atexit.register(_out.close)
+
+
+def _schedule(workload: Any, opts: Any) -> Iterator[float] | None:
+    """The open loop's send times (seconds from the start); None for closed-loop users."""
+    if opts.time_scale > 0:
+        return workload.offsets(opts.time_scale)   # type: ignore[no-any-return]  # the trace workload's
+    if opts.rate > 0:
+        return itertools.accumulate(arrival(opts.rate, opts.arrival).gaps(opts.seed), initial=0.0)
+    return None
+
+
+@events.test_stop.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
+def _stop(environment: Any, **_: Any) -> None:
+    """Open-loop requests still running at the end are recorded, as errors, not dropped."""
+    if users.FEED is not None and _out is not None:
+        for record in users.FEED.unfinished():
+            _out.write(json.dumps(msgspec.to_builtins(record)) + "\n")
 
 
 @events.request.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped

@@ -27,7 +27,7 @@ _decode = msgspec.json.Decoder().decode
 class Record(msgspec.Struct, kw_only=True):
     """One request as written to requests.jsonl (schema in docs/lab.md)."""
 
-    ts: float                      # unix time the request was sent
+    ts: float                      # unix time the request was sent (open loop: scheduled to be sent)
     phase: str = ""
     policy: str = ""
     workload: str = ""
@@ -52,6 +52,11 @@ class Record(msgspec.Struct, kw_only=True):
     pd: str | None = None                 # gateway header x-kvlab-pd-decision: split | unified | fallback
     trace_id: str | None = None
     error: str | None = None
+    lateness_ms: float | None = None      # open loop: how long after its scheduled time it was sent
+                                          # (TTFT and E2E include it: they count from the schedule)
+
+
+UNFINISHED = "unfinished when the phase ended"   # the error of an open-loop request still running at the end
 
 
 def record_of(line: bytes) -> Record | None:

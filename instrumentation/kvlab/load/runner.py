@@ -18,7 +18,8 @@ from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
 from kvlab.load.measure import Record, record_of
 from kvlab.load.spec import BenchSpec
-from kvlab.load.summary import Summary, summarize
+from kvlab.load.summary import OpenLoop, Summary, open_loop, summarize
+from kvlab.load.workloads.trace import Trace
 from kvlab.telemetry.sampling import ratio_env
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
@@ -58,15 +59,47 @@ def locust_argv(target: str, out_dir: Path, spec: BenchSpec, run_time_s: float, 
     (and when the test ends)."""
     ramp = spec.ramp
     files = str(LOCUSTFILE) if ramp is None else f"{LOCUSTFILE},{RAMP_SHAPE}"
-    load = ["-u", str(spec.users), "-r", str(spec.spawn_rate or spec.users), "-t", f"{max(1, round(run_time_s))}s"] \
+    users = 1 if spec.open_loop else spec.users   # open loop: one user dispatches every send
+    load = ["-u", str(users), "-r", str(spec.spawn_rate or users), "-t", f"{max(1, round(run_time_s))}s"] \
         if ramp is None else ["--ramp", ramp.to_json()]
+    rate, process, time_scale = schedule(spec)
     return [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", target, *load,
-            "--stop-timeout", "5", "--csv", str(out_dir / "locust"), "--only-summary",
+            "--stop-timeout", str(stop_timeout(spec, run_time_s)), "--csv", str(out_dir / "locust"), "--only-summary",
             "--html", str(out_dir / "locust.html"),
             "--loglevel", "WARNING", "--exit-code-on-error", "0",
             "--workload", spec.workload, "--workload-params", json.dumps(spec.params), "--seed", str(spec.seed),
             "--model", spec.model, "--phase", phase, "--policy", policy,
-            "--requests-out", str(out_dir / "requests.jsonl")]
+            "--requests-out", str(out_dir / "requests.jsonl"),
+            "--rate", str(rate), "--arrival", process, "--time-scale", str(time_scale)]
+
+
+def stop_timeout(spec: BenchSpec, run_time_s: float) -> int:
+    """Seconds Locust lets requests in flight finish after the run time: 5 for closed-loop users;
+    an open loop's requests drain for up to the phase's length (as `vllm bench serve` waits for
+    its requests), those still running then are recorded unfinished."""
+    return max(5, round(run_time_s)) if spec.open_loop else 5
+
+
+def schedule(spec: BenchSpec) -> tuple[float, str, float]:
+    """Locust's --rate, --arrival and --time-scale for `spec` (0, 0: closed loop). A trace at a rate
+    keeps its own timestamps' shape, scaled to that mean rate."""
+    if spec.workload == "trace" and spec.open_loop:
+        rate = Trace(seed=spec.seed, params=spec.params).rate
+        return 0.0, "poisson", rate / spec.arrival.rate if spec.arrival is not None else (spec.time_scale or 1.0)
+    if spec.arrival is not None:
+        return spec.arrival.rate, spec.arrival.label, 0.0
+    return 0.0, "poisson", 0.0
+
+
+def offered(spec: BenchSpec, records: list[Record], duration_s: float) -> OpenLoop | None:
+    """The open-loop part of a phase's summary (None for closed-loop users)."""
+    if not spec.open_loop:
+        return None
+    rate, process, time_scale = schedule(spec)
+    if time_scale:
+        trace_rate = Trace(seed=spec.seed, params=spec.params).rate
+        return open_loop(records, trace_rate / time_scale, "trace", round(time_scale, 6), duration_s)
+    return open_loop(records, rate, process, duration_s=duration_s)
 
 
 def slow_part(records: list[Record], elapsed_s: float) -> str:
@@ -122,7 +155,7 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     with open(out / "locust.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = start + limit_s + 60
+            deadline = start + limit_s + stop_timeout(spec, limit_s) + 60
             while proc.poll() is None:
                 elapsed, records = time.monotonic() - start, tail.poll()
                 if time.monotonic() > deadline:
@@ -142,7 +175,9 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
         log_tail = (out / "locust.log").read_text(errors="replace")[-2000:]
         raise StackError(f"locust exited with {proc.returncode}:\n{log_tail}")
     summary = msgspec.structs.replace(
-        summarize(records), phase=phase, policy=policy, target=target, users=users, seed=spec.seed,
+        summarize(records, spec.slo, duration_s if spec.open_loop else 0.0),
+        open_loop=offered(spec, records, duration_s), phase=phase, policy=policy, target=target,
+        users=None if spec.open_loop else users, seed=spec.seed,
         workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
         min_requests=min_requests, limit_s=limit_s if min_requests else None)
     (out / "summary.json").write_text(summary.to_json())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvlab.config import Strict
+from kvlab.load.arrival import Arrival
 from kvlab.load.ramp import Ramp
+from kvlab.load.summary import Slo
 
 
 class BenchSpec(Strict, frozen=True):
@@ -15,7 +17,11 @@ class BenchSpec(Strict, frozen=True):
 
     With `ramp`, the ramp decides the users over time and the duration. With `min_requests`, a
     phase runs until `duration_s` has passed *and* that many requests completed, for at most
-    `limit_s` (default 4 × `duration_s`)."""
+    `limit_s` (default 4 × `duration_s`).
+
+    Open loop instead of users: `arrival` sends at that rate and process; the `trace` workload is
+    replayed at its own timestamps times `time_scale`, or, with `arrival`, scaled to its rate.
+    `slo` decides which requests count towards goodput."""
 
     workload: str = "shared-prefix"
     params: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -27,5 +33,13 @@ class BenchSpec(Strict, frozen=True):
     ramp: Ramp | None = None
     min_requests: int = 0
     limit_s: float | None = None
+    arrival: Arrival | None = None
+    time_scale: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    slo: Slo = msgspec.field(default_factory=Slo)
     trace_sample_ratio: float = 1.0     # < 1: the client samples this share of traces (the topology's
                                         # observability.sample_ratio); else kvlab's default sampler
+
+    @property
+    def open_loop(self) -> bool:
+        """Whether requests go at scheduled times (a rate, or a trace's timestamps)."""
+        return self.arrival is not None or self.time_scale is not None

@@ -10,12 +10,12 @@ import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from kvlab.load.measure import Record
+from kvlab.load.measure import UNFINISHED, Record
 
 SCHEMA_VERSION = 1
 
@@ -47,6 +47,48 @@ class HitRate(msgspec.Struct, kw_only=True):
     delivered: float | None = None
 
 
+class Slo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A service-level objective on each request: time to first token and time per output token
+    (ms), both measured from the request's scheduled send time in an open-loop run."""
+
+    ttft_ms: Annotated[float, msgspec.Meta(gt=0)] = 2000.0
+    tpot_ms: Annotated[float, msgspec.Meta(gt=0)] = 200.0
+
+
+LATE_MS = 50.0   # a send later than this after its scheduled time counts as late
+
+
+class OpenLoop(msgspec.Struct, kw_only=True):
+    """How an open-loop phase was sent: the offered rate, the arrival process, and how far the
+    dispatcher fell behind its schedule (`late`: sends more than LATE_MS after their time;
+    `unfinished`: requests still running when the phase ended, counted as errors too)."""
+
+    offered_rps: float
+    arrival: str                  # poisson | constant | gamma:CV | trace
+    time_scale: float | None = None   # a trace's timestamps times this
+    sent: int = 0
+    sent_rps: float | None = None     # sent / the phase's length: what was offered (a trace's start
+                                      # can be slower or faster than its mean)
+    lateness_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    lateness_max_ms: float | None = None
+    late: int = 0
+    unfinished: int = 0
+
+    @property
+    def behind(self) -> bool:
+        """Whether the dispatcher fell behind: over 1 % of its sends were late."""
+        return self.late > 0.01 * max(self.sent, 1)
+
+
+class Goodput(msgspec.Struct, kw_only=True):
+    """Requests that met the SLO: how many, per second of the phase's window, and their share."""
+
+    slo: Slo
+    met: int = 0
+    rps: float = 0.0
+    share: float | None = None
+
+
 class Summary(msgspec.Struct, kw_only=True):
     """One phase's summary.json (`summarize` fills the statistics, `run_bench` how it was run)."""
 
@@ -68,6 +110,8 @@ class Summary(msgspec.Struct, kw_only=True):
     output_tokens: int = 0
     hit_rate: HitRate = msgspec.field(default_factory=HitRate)
     replicas: dict[str, int] = msgspec.field(default_factory=dict)
+    goodput: Goodput | None = None     # with an SLO (run_bench always sets one)
+    open_loop: OpenLoop | None = None  # None: closed-loop users
     # how it was run (run_bench; None in a summary that only summarize() made, or an older file)
     phase: str | None = None
     policy: str | None = None
@@ -111,10 +155,32 @@ def _fraction(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def summarize(records: Sequence[Record]) -> Summary:
+def goodput(records: Sequence[Record], slo: Slo, window_s: float) -> Goodput:
+    """Requests that succeeded with TTFT <= slo.ttft_ms and TPOT <= slo.tpot_ms (a one-token reply
+    has no TPOT: TTFT alone decides), per second of `window_s`, and their share of all requests."""
+    met = sum(1 for r in records if not r.error and r.ttft_ms is not None and r.ttft_ms <= slo.ttft_ms
+              and (r.tpot_ms is None or r.tpot_ms <= slo.tpot_ms))
+    return Goodput(slo=slo, met=met, rps=round(met / window_s, 3) if window_s > 0 else 0.0,
+                   share=_fraction(met, len(records)))
+
+
+def open_loop(records: Sequence[Record], offered_rps: float, arrival: str, time_scale: float | None = None,
+              duration_s: float | None = None) -> OpenLoop:
+    """The dispatcher's lateness over the requests it sent (unfinished ones included) in a phase
+    of `duration_s`."""
+    late = [r.lateness_ms for r in records if r.lateness_ms is not None]
+    return OpenLoop(offered_rps=round(offered_rps, 4), arrival=arrival, time_scale=time_scale, sent=len(records),
+                    sent_rps=round(len(records) / duration_s, 4) if duration_s else None,
+                    lateness_ms=_pcts(late), lateness_max_ms=round(max(late), 3) if late else None,
+                    late=sum(1 for x in late if x > LATE_MS),
+                    unfinished=sum(1 for r in records if r.error == UNFINISHED))
+
+
+def summarize(records: Sequence[Record], slo: Slo | None = None, min_window_s: float = 0.0) -> Summary:
     """Latency percentiles, throughput, hit-rate decomposition and routing spread of one run.
 
-    Rates use the measured window (first request sent to last one finished); hit rates are token
+    Rates use the measured window (first request sent to last one finished; an open-loop phase's
+    at least its length, `min_window_s`, however its sends bunched up); hit rates are token
     fractions over successful requests: sum(available|predicted|delivered) / sum(prompt tokens),
     computed over the requests that report that number (None when none do, e.g. no gateway);
     `speculative` is the part of `predicted` the gateway's index held only speculatively.
@@ -128,7 +194,7 @@ def summarize(records: Sequence[Record]) -> Summary:
     if records:
         start = min(r.ts for r in records)
         end = max(r.ts + r.e2e_ms / 1000 for r in records)
-        window = max(end - start, 1e-9)
+        window = max(end - start, min_window_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
 
     def hit(tokens: Callable[[Record], int | None]) -> float | None:
@@ -154,4 +220,5 @@ def summarize(records: Sequence[Record]) -> Summary:
         hit_rate=HitRate(available=hit(lambda r: r.available_tokens), predicted=hit(lambda r: r.predicted_tokens),
                          speculative=hit(lambda r: r.speculative_tokens), delivered=hit(lambda r: r.cached_tokens)),
         replicas=dict(sorted(Counter(r.replica or "?" for r in ok).items())),
+        goodput=goodput(records, slo, window) if slo is not None else None,
     )

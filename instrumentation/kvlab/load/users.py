@@ -6,6 +6,11 @@ in order (streaming chat completions with usage). Per request it opens the trace
 (type POST, name "chat", response time = end-to-end, failures included) and, for successful ones,
 "TTFT" and "ITL" entries, so the web UI and CSVs show time to first token separately. The full
 measurement travels in the event's context; the locustfile's hook writes it to requests.jsonl.
+
+Open loop (the feed has a schedule of send times): one user is the dispatcher. It sleeps until each
+scheduled time and starts that session in its own greenlet, whether or not earlier ones finished;
+TTFT and E2E count from the scheduled time, and how late the send was is recorded with it. Run it
+with one user (`-u 1`); the web UI shows its requests like any other.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import gevent
 import msgspec
 import requests
+from gevent.pool import Group
 from locust import User, constant, task
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvlab.load.measure import Record, chat_body, stream_chat
+from kvlab.load.measure import UNFINISHED, Record, chat_body, stream_chat
 from kvlab.load.workloads import Workload, WorkloadRequest
 from kvlab.telemetry import genai, names
 
@@ -31,13 +38,34 @@ tracer = trace.get_tracer("kvlab.load")
 class Feed:
     """The workload's session stream shared by every user of this process (gevent: no locking)."""
 
-    def __init__(self, workload: Workload[Any], model: str, phase: str = "", policy: str = "") -> None:
+    def __init__(self, workload: Workload[Any], model: str, phase: str = "", policy: str = "",
+                 schedule: Iterator[float] | None = None) -> None:
         self.workload = workload
         self.model = model
         self.phase = phase
         self.policy = policy
         self._sessions: Iterator[tuple[int, list[WorkloadRequest]]] = enumerate(workload.sessions())
         self.counter = itertools.count()
+        self.schedule = schedule            # open loop: send times in seconds from the start
+        self.dispatching = False
+        self.inflight: dict[int, Record] = {}   # open loop: requests sent and not finished
+
+    def warm(self) -> Feed:
+        """Draw the first session now (a workload makes its shared texts then, which takes a while):
+        done before Locust's run time starts, it does not eat into the phase."""
+        first = next(self._sessions)
+        self._sessions = itertools.chain([first], self._sessions)
+        return self
+
+    def unfinished(self) -> list[Record]:
+        """The open-loop requests still running (at the end of the phase), as error records."""
+        now = time.time()
+        out = []
+        for record in self.inflight.values():
+            record.error, record.e2e_ms = UNFINISHED, (now - record.ts) * 1000
+            out.append(record)
+        self.inflight.clear()
+        return out
 
     def next_session(self) -> tuple[int, list[WorkloadRequest]]:
         """The next session and its index in the stream (recorded, so the oracle can replay it)."""
@@ -58,6 +86,10 @@ class ChatUser(User):
 
     def on_start(self) -> None:
         self.http = requests.Session()
+        # the open loop's dispatcher has many requests in flight at once: a connection each
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=1024)
+        self.http.mount("http://", adapter)
+        self.http.mount("https://", adapter)
 
     def on_stop(self) -> None:
         self.http.close()
@@ -68,6 +100,9 @@ class ChatUser(User):
         if feed is None:  # no test_start yet (cannot happen under Locust's runners)
             time.sleep(0.1)
             return
+        if feed.schedule is not None:
+            self.dispatch(feed, feed.schedule)
+            return
         session, requests_ = feed.next_session()
         for step, req in enumerate(requests_):
             if req.pause_s:
@@ -76,10 +111,46 @@ class ChatUser(User):
                 time.sleep(0.5)
                 return
 
-    def send(self, feed: Feed, req: WorkloadRequest, session: int | None = None, step: int = 0) -> Record:
+    def dispatch(self, feed: Feed, schedule: Iterator[float]) -> None:
+        """Send each session at its scheduled time in a greenlet of its own (the open loop)."""
+        if feed.dispatching:   # one dispatcher per process; another user has nothing to do
+            gevent.sleep(1.0)
+            return
+        feed.dispatching = True
+        group = Group()
+        # each session is drawn before its time comes (a workload's first texts take a while to
+        # make), the first one before the clock starts
+        pending = feed.next_session()
+        start = time.time()
+        for offset in schedule:
+            due = start + offset
+            if (wait := due - time.time()) > 0:
+                gevent.sleep(wait)
+            if self._state != "running":   # Locust is stopping this user: no new sends
+                break
+            group.spawn(self.send_session, feed, *pending, due)
+            pending = feed.next_session()
+        group.join()
+        while self._state == "running":   # the schedule (a trace) has ended: wait for Locust's run time
+            gevent.sleep(0.5)
+
+    def send_session(self, feed: Feed, session: int, requests_: list[WorkloadRequest], due: float) -> None:
+        """One open-loop session: its first request at `due`, the rest after it as a closed loop does."""
+        for step, req in enumerate(requests_):
+            if req.pause_s:
+                time.sleep(req.pause_s)
+            self.send(feed, req, session, step, due=due if step == 0 else None)
+
+    def send(self, feed: Feed, req: WorkloadRequest, session: int | None = None, step: int = 0,
+             due: float | None = None) -> Record:
+        """One request; with `due` (open loop) its latency counts from that scheduled time."""
         n = next(feed.counter)
-        record = Record(ts=time.time(), phase=feed.phase, policy=feed.policy, workload=feed.workload.name,
-                        group=req.group, turn=req.turn, session=session, step=step)
+        now = time.time()
+        record = Record(ts=due if due is not None else now, phase=feed.phase, policy=feed.policy,
+                        workload=feed.workload.name, group=req.group, turn=req.turn, session=session, step=step)
+        if due is not None:
+            record.lateness_ms = round(max(0.0, now - due) * 1000, 3)
+            feed.inflight[n] = record
         attrs: dict[str, str | int | bool] = {names.GEN_AI_OPERATION_NAME: "chat", names.GEN_AI_REQUEST_MODEL: feed.model,
                  names.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, names.WORKLOAD: feed.workload.name,
                  names.GEN_AI_REQUEST_STREAM: True, **genai.span_attributes(names.SPAN_CLIENT_REQUEST, self.host or "")}
@@ -105,6 +176,12 @@ class ChatUser(User):
             if record.error:
                 span.set_status(Status(StatusCode.ERROR, record.error[:200]))
                 span.set_attribute(names.ERROR_TYPE, str(record.status or "connection"))
+        if record.lateness_ms is not None:
+            if feed.inflight.pop(n, None) is None:   # the phase ended and counted it unfinished already
+                return record
+            record.e2e_ms += record.lateness_ms
+            if record.ttft_ms is not None:
+                record.ttft_ms += record.lateness_ms
         fire = self.environment.events.request.fire
         fire(request_type="POST", name="chat", response_time=record.e2e_ms, response_length=record.output_tokens,
              exception=RuntimeError(record.error) if record.error else None,

@@ -7,14 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.results import COLUMNS, Row, cells, kv_path_warning
+from kvlab.compare.sweep import Sweep
 from kvlab.load.measure import Record
 from kvlab.report import figures
 from kvlab.report.html import CSS, PLOT_CONFIG
+from kvlab.report.sweep import sweep_section
 
 
 def hit_vs_oracle(rows: list[Row]) -> go.Figure:
@@ -77,7 +80,7 @@ def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]
     """document: compare.json; records: {workload: {router: requests.jsonl records}}."""
     meta = " · ".join(html.escape(f"{k}: {document[k]}") for k in ("id", "engine", "replicas", "users", "duration_s",
                                                                     "seed") if k in document)
-    sections = []
+    sections = [sweep_section(msgspec.convert(sw, Sweep)) for sw in document.get("sweeps", {}).values()]
     for w, section in document["workloads"].items():
         rows = [Row(**r) for r in section["routers"]]
         grid = "".join(_div(f) for f in (hit_vs_oracle(rows), ttft(rows), throughput(rows), balance(rows)))

@@ -12,11 +12,13 @@ import msgspec
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from kvlab.compare.sweep import from_summaries
 from kvlab.load.summary import Summary
 from kvlab.load.table import ROWS
 from kvlab.report import figures
 from kvlab.report.autoscale import section as autoscale_section
 from kvlab.report.pd import section as pd_section
+from kvlab.report.sweep import sweep_section
 from kvlab.run.phases import PhaseResult
 from kvlab.traces.mechanism import section as mechanism_section
 
@@ -101,6 +103,7 @@ def render(phases: Mapping[str, PhaseResult], meta: dict[str, Any], run_dir: Pat
 <div class="meta">{meta_line}</div>
 <div class="headline">{html.escape(headline(summaries))}</div>
 {_table(summaries)}
+{sweep_section(sweep) if (sweep := from_summaries(str(meta.get("workload", "")), summaries)) else ""}
 {pd_section(records, PLOT_CONFIG)}
 {autoscale_section(phases, PLOT_CONFIG)}
 <div class="grid">{''.join(f'<div>{d}</div>' for d in divs)}</div>

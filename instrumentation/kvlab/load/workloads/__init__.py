@@ -23,6 +23,7 @@ _MODULES = {
     "agentic": "kvlab.load.workloads.agentic",
     "long-context": "kvlab.load.workloads.long_context",
     "chunked-mix": "kvlab.load.workloads.chunked_mix",
+    "trace": "kvlab.load.workloads.trace",
 }
 NAMES = tuple(_MODULES)
 
