@@ -36,6 +36,7 @@ SHARDS = {"quickstart": [p for p in NOTEBOOKS if p.stem[:2] in QUICKSTART],
           "topologies-a": _others[0::2], "topologies-b": _others[1::2]}
 ORDER = [pytest.param(nb, marks=pytest.mark.xdist_group(f"notebooks-{shard}"), id=nb.stem)
          for shard, notebooks in SHARDS.items() for nb in notebooks]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by test_notebook_runs)
 
 nbformat = pytest.importorskip("nbformat")
