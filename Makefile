@@ -39,7 +39,7 @@ lab: $(VENV)/.core
 
 ## The test suite, after the static checks (tests marked `vllm` need `make vllm` first; CI installs it).
 test: $(VENV)/.dev lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 ## The inner loop: unit and in-process tests, no child process (about a minute on 2 cores; docs/development.md).
 test-fast: $(VENV)/.dev

@@ -72,29 +72,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _running.pop()
 
 
-# The longest groups, measured (docs/development.md), longest first: `make test` hands them to the
-# workers first so that no long group starts last (--no-loadscope-reorder keeps this order).
-LONGEST_FIRST = ("notebooks-experiments", "notebooks-topologies-a", "notebooks-topologies-b", "test_lab",
-                 "notebooks-quickstart", "test_faults", "test_observability_lab", "test_notebooks_kind",
-                 "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "notebooks-alone",
-                 "test_chunked_vllm", "test_hardening_network", "test_tokenization_vllm", "test_fuzz")
-
-
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0]) if mark else ""
+# The longest modules, measured (docs/development.md), longest first: `make test` (pytest-xdist,
+# --dist loadfile: a module stays on one worker, so its module-scoped fixtures start once) hands them
+# to the workers first, so that no long module starts last (--no-loadscope-reorder keeps this order).
+LONGEST_FIRST = ("test_notebooks_experiments", "test_notebooks_topologies_a", "test_notebooks_topologies_b",
+                 "test_lab", "test_notebooks", "test_faults", "test_observability_lab", "test_notebooks_kind",
+                 "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "test_chunked_vllm",
+                 "test_hardening_network", "test_tokenization_vllm", "test_fuzz")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _starts_processes(item) and not item.get_closest_marker("processes"):
             item.add_marker("processes")       # so that `-m "not processes"` is the whole fast tier
-        if not item.get_closest_marker("xdist_group"):
-            # `-n N --dist loadgroup` (make test): a module stays on one worker, so its module-scoped
-            # fixtures start once; a module that marks its own groups splits across workers
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))     # stable: the rest keeps its order
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))     # stable: the rest keeps its order
 
 
 # ---- the budget ---------------------------------------------------------------------------------
@@ -112,6 +104,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     line = f"test time {took:.0f} s for {len(tests)} tests; the suite's budget is {BUDGET_S} s on 2 cores"
     terminalreporter.write_sep("=", line, red=took > BUDGET_S, green=took <= BUDGET_S)
+
+@pytest.fixture(scope="module")
+def runs_dir() -> Iterator[Path]:
+    """A notebook test module's own runs dir (tests/notebook_runs.py); its processes are stopped by
+    pid when the module ends."""
+    from notebook_runs import _runs_env
+
+    with _runs_env("kvlab-nb-") as runs:
+        yield runs
+
 
 @pytest.fixture
 def port() -> int:
@@ -185,3 +187,4 @@ def phase_result(name: str, records: list, summary=None, **kw):
 
     return PhaseResult(phase=Phase(name, name), dir=Path("."), records=records,
                        summary=summarize(records) if summary is None else summary, **kw)
+

@@ -2,45 +2,30 @@
 the local simulator target (any cell error or failed checkpoint fails), rendered to HTML and
 loaded in headless Chromium, where every plotly figure must draw without a JavaScript error.
 
-Every stack a notebook starts lives under a temporary KVLAB_RUNS_DIR and is stopped by pid
-(supervisor, its children, processes the notebooks recorded) when the module ends, pass or fail.
+This module checks every notebook's pairing and sections, runs the quickstart shard and one
+notebook alone; the other shards are test_notebooks_{experiments,topologies_a,topologies_b}.py
+(tests/notebook_runs.py says why). Every stack a notebook starts lives under a temporary
+KVLAB_RUNS_DIR and is stopped by pid (supervisor, its children, processes the notebooks recorded)
+when the module ends, pass or fail.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-from conftest import require, require_binary
-
-ROOT = Path(__file__).resolve().parents[1]
-LABS = ROOT / "labs"
-NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]-*.ipynb"))
-# Shards, each in its own runs dir: under `make test` (pytest-xdist, --dist loadgroup) they run on
-# separate workers at once. The quickstart shard keeps 03 and 06 after 01-02, whose phases they
-# reuse; lab 10 (the longest, ~6 minutes) is a shard alone; the other notebooks switch the stack to
-# their own topologies and alternate between two shards (each also runs alone: see
-# test_a_notebook_runs_alone_starting_what_it_needs).
-QUICKSTART = ("00", "01", "02", "03", "06")
-_others = [p for p in NOTEBOOKS if p.stem[:2] not in (*QUICKSTART, "10")]
-SHARDS = {"quickstart": [p for p in NOTEBOOKS if p.stem[:2] in QUICKSTART],
-          "experiments": [p for p in NOTEBOOKS if p.stem[:2] == "10"],
-          "topologies-a": _others[0::2], "topologies-b": _others[1::2]}
-ORDER = [pytest.param(nb, marks=pytest.mark.xdist_group(f"notebooks-{shard}"), id=nb.stem)
-         for shard, notebooks in SHARDS.items() for nb in notebooks]
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
-EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by test_notebook_runs)
-
-nbformat = pytest.importorskip("nbformat")
-jupytext = pytest.importorskip("jupytext")
+from notebook_runs import (
+    LABS,
+    NOTEBOOKS,
+    _execute,
+    _runs_env,
+    jupytext,
+    nbformat,
+    render_shard,
+    run_notebook,
+    shard,
+)
 
 
 def test_every_notebook_has_its_py_percent_pair_in_sync():
@@ -72,98 +57,13 @@ def test_every_notebook_has_objectives_parameters_checkpoints_and_troubleshootin
         assert checkpoint.cell_type == "code" and "assert " in checkpoint.source, ipynb.name
 
 
-# ---- execution --------------------------------------------------------------------------------------
-def _stop_everything(runs: Path) -> list[str]:
-    """Stop, by recorded pid, everything under `runs`; returns the processes still alive after."""
-    from kvlab.stack.process import runs_command, stop_recorded
-
-    entries = []
-    for stack_file in runs.rglob("stack.json"):
-        run = stack_file.parent
-        try:
-            stack = json.loads(stack_file.read_text())
-        except ValueError:
-            continue
-        recorded = run / "notebook-processes.json"
-        if recorded.exists():
-            entries += json.loads(recorded.read_text())
-        if stack.get("supervisor"):
-            entries.append({"name": "supervisor", **stack["supervisor"]})
-        entries += list(reversed(stack.get("processes", [])))
-    for e in entries:
-        stop_recorded(e, grace_s=60 if e["name"] == "supervisor" else 10)
-    return [f"{e['name']} {e['pid']}" for e in entries if runs_command(int(e["pid"]), e["argv"])]
-
-
-@contextmanager
-def _runs_env(prefix: str):
-    """A fresh runs dir for the kernels (they inherit KVLAB_RUNS_DIR: stacks land there); on exit
-    the variable is restored and every process recorded under it is stopped, or the test fails."""
-    runs = Path(tempfile.mkdtemp(prefix=prefix)) / "runs"
-    old = os.environ.get("KVLAB_RUNS_DIR")
-    os.environ["KVLAB_RUNS_DIR"] = str(runs)
-    try:
-        yield runs
-    finally:
-        if old is None:
-            os.environ.pop("KVLAB_RUNS_DIR", None)
-        else:
-            os.environ["KVLAB_RUNS_DIR"] = old
-        left = _stop_everything(runs)
-        assert not left, f"processes still running after teardown: {left}"
-
-
-@pytest.fixture(scope="module")
-def runs_dir():
-    with _runs_env("kvlab-nb-") as runs:
-        yield runs
-
-
-def _execute(ipynb: Path, out: Path, overrides: str = "") -> None:
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
-
-    nb = nbformat.read(ipynb, as_version=4)
-    if overrides:      # papermill-style: a cell right after the parameters cell
-        at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(overrides))
-    client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=False,
-                            resources={"metadata": {"path": str(LABS)}})
-    try:
-        client.execute()
-    except CellExecutionError as exc:
-        raise AssertionError(f"{ipynb.name} failed:\n{str(exc)[-4000:]}") from None
-    finally:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, out)
-
-
-def _kernel_python() -> None:
-    """The kernel nbclient starts is this interpreter (.venv): the native python3 kernelspec."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    exe = spec.argv[0]
-    assert exe in (sys.executable, "python", "python3") or Path(exe).resolve() == Path(sys.executable).resolve(), \
-        f"the python3 kernel runs {exe}, not {sys.executable}"
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("ipynb", ORDER)
+@pytest.mark.parametrize("ipynb", shard("quickstart"))
 def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
-    _kernel_python()
-    out = runs_dir.parent / "executed" / ipynb.name
-    _execute(ipynb, out)
-    EXECUTED[ipynb.stem] = out
-    nb = nbformat.read(out, as_version=4)
-    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
-    assert not errors
-    last = [c for c in nb.cells if c.cell_type == "code" and "assert " in c.source][-1]
-    assert any("✓" in o.get("text", "") for o in last.outputs), f"{ipynb.name}: the checkpoint cell printed no ✓"
+    run_notebook(ipynb, runs_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("notebooks-alone")
 def test_a_notebook_runs_alone_starting_what_it_needs():
     """Lab 03 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
     with _runs_env("kvlab-nb-alone-") as runs:
@@ -175,65 +75,6 @@ def test_a_notebook_runs_alone_starting_what_it_needs():
         assert stack["status"] == "running"     # left running for the next lab, until teardown
 
 
-# ---- rendering ------------------------------------------------------------------------------------
-CATCH_ERRORS = """<script>window.__kvlabErrors = [];
-window.addEventListener('error', function (e) { window.__kvlabErrors.push(String(e.message)); });
-window.addEventListener('load', function () { setTimeout(function () {
-  var pre = document.createElement('pre'); pre.id = 'kvlab-js-errors';
-  pre.textContent = JSON.stringify(window.__kvlabErrors); document.body.appendChild(pre);
-  var n = document.createElement('pre'); n.id = 'kvlab-plots';
-  n.textContent = String(document.querySelectorAll('.js-plotly-plot .main-svg').length > 0 ?
-     document.querySelectorAll('.js-plotly-plot').length : 0);
-  document.body.appendChild(n); }, 3000); });
-</script>"""
-
-
-def _render_html(executed: Path, out: Path) -> Path:
-    from nbconvert import HTMLExporter
-
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nbformat.read(executed, as_version=4))
-    out.write_text(body.replace("<head>", "<head>" + CATCH_ERRORS, 1), encoding="utf-8")
-    return out
-
-
-def _dump_dom(chromium: str, html: Path) -> str:
-    with tempfile.TemporaryDirectory(prefix="kvlab-chromium-") as profile:
-        argv = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-                "--virtual-time-budget=15000", "--dump-dom", html.as_uri()]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=180).stdout
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("shard", [pytest.param(s, marks=pytest.mark.xdist_group(f"notebooks-{s}")) for s in SHARDS])
-def test_executed_notebooks_render_their_plots_in_chromium(shard, runs_dir, tmp_path):
-    chromium = require_binary("chromium")
-    executed_here = {p.stem: EXECUTED[p.stem] for p in SHARDS[shard] if p.stem in EXECUTED}
-    require(bool(executed_here), "executed notebooks (run the whole module)")   # a failed one already failed its test
-    from PIL import Image
-
-    from kvlab.traces.screenshot import screenshot
-
-    for name, executed in sorted(executed_here.items()):
-        nb = nbformat.read(executed, as_version=4)
-        expected = sum(1 for c in nb.cells for o in c.get("outputs", []) if PLOTLY_MIME in o.get("data", {}))
-        assert expected >= 1, f"{name}: no plotly figure"
-        html = _render_html(executed, tmp_path / f"{name}.html")
-        dom = _dump_dom(chromium, html)
-        errors = re.search(r'<pre id="kvlab-js-errors">(.*?)</pre>', dom, re.S)
-        plots = re.search(r'<pre id="kvlab-plots">(\d+)</pre>', dom)
-        assert errors and plots, f"{name}: the page did not finish loading in Chromium"
-        assert json.loads(errors.group(1).replace("&quot;", '"')) == [], f"{name}: JavaScript errors {errors.group(1)}"
-        assert int(plots.group(1)) == expected, f"{name}: {plots.group(1)} plots drawn, {expected} expected"
-    if shard != "quickstart":
-        return
-    require("02-kv-aware" in EXECUTED, "lab 02 executed")
-    png = screenshot(tmp_path / "02-kv-aware.html", tmp_path / "02-kv-aware.png", width=1300, height=2600,
-                     budget_ms=10000)
-    image = Image.open(png).convert("RGB").resize((260, 520))
-    pixels = list(image.getdata())
-    coloured = sum(1 for r, g, b in pixels if max(r, g, b) - min(r, g, b) > 40)   # plot lines and bars
-    assert coloured > 0.01 * len(pixels), "the screenshot shows no coloured plot marks"
-    keep = os.environ.get("KVLAB_NOTEBOOK_SCREENSHOT")
-    if keep:
-        Path(keep).write_bytes(png.read_bytes())
+def test_executed_notebooks_render_their_plots_in_chromium(runs_dir, tmp_path):
+    render_shard("quickstart", tmp_path)

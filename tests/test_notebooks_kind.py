@@ -26,7 +26,7 @@ if not IN_CI:
 from kvlab.stack.attached import AttachedStack
 from kvlab.stack.base import read_info
 from kvlab.stack.launch import KVLAB
-from test_notebooks import LABS, _execute, _kernel_python, _runs_env, nbformat
+from notebook_runs import LABS, _execute, _kernel_python, _runs_env, nbformat
 
 TESTS = Path(__file__).resolve().parent
 PHASES = ["round-robin", "kv-aware"]
