@@ -279,3 +279,19 @@ def test_kind_doc_quotes_the_rendered_topic_ports_and_flags() -> None:
     for path in MARKDOWN:   # elsewhere a topic is the local stack's or the pods'
         for t in re.findall(r"topic `([^`]+)`", path.read_text()):
             assert t in {KV_TOPIC, topic}, f"{path.relative_to(ROOT)}: topic `{t}` is published by nothing"
+
+
+def test_benchmarks_open_with_a_summary_each_figure_with_machine_date_and_command() -> None:
+    """docs/benchmarks.md is for a reader: its first section is one table, every figure in it
+    saying the machine, the date and the command that made it (the run logs are in the history)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    first = text.split("\n## ", 2)[1]
+    assert first.startswith("Summary\n"), "the first section of docs/benchmarks.md must be the summary"
+    rows = [line for line in first.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert {"figure", "machine (load)", "date", "command"} <= set(header), header
+    for row in rows[2:]:
+        cells = dict(zip(header, (c.strip() for c in row.strip("|").split("|")), strict=True))
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells["date"]), row
+        assert cells["machine (load)"] and re.search(r"`[^`]+`", cells["command"]), row
+    assert len(rows) >= 8
