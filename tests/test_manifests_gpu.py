@@ -6,6 +6,7 @@ HF token Secret (referenced, never a value)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import IN_CI
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, KvlabError
 from kvlab.stack.kind import cli, gpu, versions
 from kvlab.topology import GpuSettings, Pool, Topology, load_topology
 
@@ -188,3 +189,58 @@ def test_vllm_pods_publish_what_llm_d_precise_scorer_reads():
     assert scorer["tokenProcessorConfig"]["blockSize"] == int(_arg(args, "--block-size"))
     assert scorer["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == o.KV_EVENTS_PORT
     assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])
+
+
+SHIPPED = sorted((ROOT / "labs" / "topologies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_gpu_render_of_every_shipped_topology_caps_the_kv_cache_or_refuses(path, capsys):
+    """`--gpu` never renders an uncapped KV cache (uncapped, every prompt group fits on every replica
+    and the lab shows no difference): a topology renders with its cap and GPU count, or is refused."""
+    from kvlab.stack.kind import manifests as m
+    from kvlab.stack.kind import objects as o
+
+    topology = load_topology(path)
+    args = cli._parser().parse_args(["render", "baseline", "--gpu", "--topology", str(path), "--out", "unused"])
+    if topology.gpu.num_blocks is None:
+        with pytest.raises(KvlabError, match=re.escape("--topology gpu-1|gpu-2|gpu-4")):
+            cli.topology_for(args)
+        return
+    assert cli.topology_for(args) == topology
+    containers = [c for x in m.render(topology, o.Cluster(gpu=True))["baseline"] if x["kind"] == "Deployment"
+                  for c in x["spec"]["template"]["spec"]["containers"]]
+    assert containers
+    for c in containers:
+        assert int(_arg(c["args"], "--num-gpu-blocks-override")) == topology.gpu.num_blocks
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    slots = topology.gpu.gpus * topology.gpu.replicas_per_gpu
+    assert len(containers) <= slots, f"{len(containers)} GPU containers, {slots} slots on {topology.gpu.gpus} GPUs"
+
+
+@pytest.mark.parametrize("argv", [["render", "baseline", "--gpu", "--out", "x"],
+                                  ["deploy", "--gpu", "--dry-run"], ["create", "--gpu", "--dry-run"]])
+def test_gpu_without_topology_refuses_where_nothing_is_touched(argv, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "host_gpus", lambda: pytest.fail("render/--dry-run must not probe the host"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--topology gpu-1|gpu-2|gpu-4" in err
+    assert not list(tmp_path.iterdir()), "nothing rendered"
+
+
+@pytest.mark.parametrize("gpus, chosen", [(1, "gpu-1"), (2, "gpu-2"), (3, "gpu-2"), (4, "gpu-4"), (8, "gpu-4")])
+def test_gpu_deploy_without_topology_picks_the_one_fitting_the_host(gpus, chosen, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "host_gpus", lambda: gpus)
+    steps = cli.build_plan(cli._parser().parse_args(["deploy", "baseline", "--gpu", "--no-build"]))
+    topology = load_topology(ROOT / "labs" / "topologies" / f"{chosen}.yaml")
+    vllm = next(c for s in steps if s.action == "apply" for x in s.manifests if x["kind"] == "Deployment"
+                for c in x["spec"]["template"]["spec"]["containers"])
+    assert int(_arg(vllm["args"], "--num-gpu-blocks-override")) == topology.gpu.num_blocks
+    assert f"using --topology {chosen}" in capsys.readouterr().err
+
+
+def test_gpu_deploy_without_topology_and_without_gpus_says_what_to_run(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "host_gpus", lambda: 0)
+    assert cli.main(["deploy", "--gpu", "--no-build"]) == 1
+    assert "--topology gpu-1|gpu-2|gpu-4" in capsys.readouterr().err

@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
     p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
     p.add_argument("--namespace", default="kvlab")
-    p.add_argument("--topology", default="quickstart", help="a shipped topology name or a YAML file")
+    p.add_argument("--topology", default=None,
+                   help="a shipped topology name or a YAML file (default: quickstart; with --gpu: the gpu-N fitting the host's GPUs)")
     p.add_argument("--image", default=f"kvlab:{__version__}", help="the kvlab image (gateway + simulator)")
     p.add_argument("--no-build", action="store_true", help="deploy: do not build/load the kvlab image")
     p.add_argument("--hf-model", default=None,
@@ -46,9 +47,51 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+GPU_TOPOLOGIES = {1: "gpu-1", 2: "gpu-2", 4: "gpu-4"}   # shipped, each capping the KV cache
+_CHOOSE = "--topology " + "|".join(GPU_TOPOLOGIES.values())
+
+
+def host_gpus() -> int:
+    """NVIDIA GPUs on this host (kind's nodes share them): `nvidia-smi -L`, 0 when it is missing."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()) if done.returncode == 0 else 0
+
+
+def gpu_default(args: argparse.Namespace) -> str:
+    """`--gpu` with no topology: the shipped gpu-N fitting the host's GPUs for a real create/deploy;
+    render and --dry-run touch nothing, so they ask for one. Never the uncapped quickstart."""
+    if args.action == "render" or args.dry_run:
+        raise KvlabError(f"{args.action} --gpu: name the GPU topology, {_CHOOSE} "
+                         "(1, 2 or 4+ GPUs; docs/kind.md, \"GPU host, end to end\")")
+    n = host_gpus()
+    if n < 1:
+        raise KvlabError(f"{args.action} --gpu: no NVIDIA GPU found (nvidia-smi -L); "
+                         f"on a GPU host choose {_CHOOSE} by its GPU count")
+    name = GPU_TOPOLOGIES[max(k for k in GPU_TOPOLOGIES if k <= n)]
+    print(f"kvlab cluster: --gpu with no --topology: {n} GPU(s) found, using --topology {name}", file=sys.stderr)
+    return name
+
+
 def _topology(spec: str) -> Topology:
     path = Path(spec)
     return load_topology(path if path.suffix in (".yaml", ".yml") else builtin(spec))
+
+
+def topology_for(args: argparse.Namespace) -> Topology:
+    """The topology the command renders; on GPU one that caps the KV cache (the lab's lever:
+    uncapped, vLLM takes most of the GPU and every prompt group fits on every replica)."""
+    if args.topology is None:
+        args.topology = gpu_default(args) if args.gpu else "quickstart"
+    topology = _topology(args.topology)
+    if args.gpu and topology.gpu.num_blocks is None:
+        raise KvlabError(f"topology {topology.name} does not cap the KV cache on GPU (no gpu.num_blocks): "
+                         f"use {_CHOOSE}, or add a gpu: section with num_blocks")
+    return topology
 
 
 def _cluster(args: argparse.Namespace, topology: Topology) -> o.Cluster:
@@ -65,7 +108,7 @@ def _phases(args: argparse.Namespace) -> list[str]:
 
 
 def build_plan(args: argparse.Namespace) -> list[plan.Step]:
-    topology = _topology(args.topology)
+    topology = topology_for(args)
     cluster = _cluster(args, topology)
     if args.action == "create":
         return plan.create(cluster, topology)
@@ -140,7 +183,7 @@ def preflight_cmd(args: argparse.Namespace) -> int:
 
     from kvlab.stack.kind import preflight
 
-    topology = _topology(args.topology)
+    topology = topology_for(args)
     cluster = _cluster(args, topology)
     core = client.CoreV1Api(api_client(cluster.context))
     passed, lines = preflight.report(preflight.run(core, cluster, topology))
