@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 # transformers decides "torch available" with importlib.util.find_spec: hide torch as a core
 # install (`make lab`, no `make vllm`) lacks it, then do what every lab process does first
 _LOAD = """
@@ -26,10 +28,12 @@ def _stderr(prelude: str = "") -> str:
     return done.stderr
 
 
+@pytest.mark.processes
 def test_loading_the_tokenizer_without_torch_prints_no_third_party_warning():
     assert _stderr().strip() == "loaded"
 
 
+@pytest.mark.processes
 def test_the_check_sees_transformers_advice_when_kvlab_does_not_silence_it():
     """The probe above is able to fail: with the advice let through, transformers prints it."""
     err = _stderr("import os; os.environ['TRANSFORMERS_NO_ADVISORY_WARNINGS'] = ''; import transformers")

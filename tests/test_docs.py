@@ -260,6 +260,7 @@ HOST_TOOL_FLAGS = {"--as", "--cdi", "--from-file", "--in-place", "--rm", "--runt
                    "--set-as-default", "--wait"}   # kubectl, docker, nvidia-ctk in docs/kind.md
 
 
+@pytest.mark.processes
 def test_kind_doc_quotes_the_rendered_topic_ports_and_flags() -> None:
     """docs/kind.md describes the pods `kvlab cluster render` writes: the KV-event topic, the
     ports and NodePorts, and every flag it quotes is in a manifest, a kvlab `--help` or a host tool."""

@@ -46,6 +46,7 @@ def _vllm_version(python: Path) -> str:
                           capture_output=True, text=True, timeout=30, check=False).stdout.strip()
 
 
+@pytest.mark.processes
 def test_the_shim_answers_the_vllm_name_and_a_second_run_changes_nothing(tmp_path):
     python = _fake_venv(tmp_path)
     assert _vllm_version(python) == ""            # the name vLLM's CLI looks up is missing
