@@ -105,6 +105,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     line = f"test time {took:.0f} s for {len(tests)} tests; the suite's budget is {BUDGET_S} s on 2 cores"
     terminalreporter.write_sep("=", line, red=took > BUDGET_S, green=took <= BUDGET_S)
 
+@pytest.fixture(scope="session", autouse=True)
+def _sdk_tracer_provider() -> None:
+    """OTel allows one global TracerProvider per process, and in-process servers of every module share
+    this one: make it the SDK's before any module asks, so that a module adding its in-memory
+    exporter (`configure_tracing(extra=...)`) works after one whose server asked for kvlab's span
+    recorder, in whatever order pytest-xdist hands the modules to this worker."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from kvlab.telemetry.setup import configure_tracing
+
+    configure_tracing("kvlab-tests", extra=SpanProcessor())
+
+
 @pytest.fixture(scope="module")
 def runs_dir() -> Iterator[Path]:
     """A notebook test module's own runs dir (tests/notebook_runs.py); its processes are stopped by
