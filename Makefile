@@ -8,7 +8,7 @@ LAB_ARGS ?=
 TEST_ARGS ?=
 # test processes `make test` runs at once (pytest-xdist): most tests wait on child processes, so more
 # workers than cores pays off (docs/development.md has the measurements)
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 .PHONY: lab test test-fast lint otel-proto venv venv-dev vllm clean
 

@@ -87,9 +87,11 @@ def test_simulator_ttft_follows_the_fitted_formula(home, tmp_path):
         url = ready["replicas"][0]["url"]
 
         async def run():
+            # the fastest of 3 per point: a busy machine only adds to the simulator's modelled time
             visible, rng = Tokenizer().visible_ids, random.Random(0)
             async with aiohttp.ClientSession() as client:
-                return [await grid.ttft(client, url, n, cached_tokens(n, f, 128), rng, visible)
+                return [min([await grid.ttft(client, url, n, cached_tokens(n, f, 128), rng, visible) for _ in range(3)],
+                            key=lambda p: p["ttft_ms"])
                         for n in grid.lengths for f in grid.fractions]
 
         points = asyncio.run(run())

@@ -9,6 +9,7 @@ from notebook_runs import render_shard, run_notebook, shard
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)   # ~6 minutes alone; 7 stacks and 16 phases take longer beside three workers
 @pytest.mark.parametrize("ipynb", shard("experiments"))
 def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
     run_notebook(ipynb, runs_dir)
