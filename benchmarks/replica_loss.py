@@ -7,7 +7,9 @@ Two `kvlab engine vllm` replicas of the tiny model on CPU behind `kvlab gateway`
 `--streams` greedy chat streams at once; once every stream has tokens, the replica serving more of
 them is killed with its process group. Prints failed requests, resumes, and per resumed stream the
 tokens it got (usage), its ids and finish reasons, and how much of its text equals the
-uninterrupted greedy answer to the same prompt. The simulator's run of the same fault is
+uninterrupted greedy answer to the same prompt: all of the shorter of the two when nothing is
+missing or repeated (the lengths may differ by a token where the text so far re-tokenizes into
+fewer tokens than the replica generated, so the survivor generates one more). The simulator's run of the same fault is
 `benchmarks/faults.py --only sigkill`.
 """
 
@@ -160,6 +162,7 @@ async def run(url: str, ports: dict[str, int], streams: int, max_tokens: int) ->
                            if line.startswith(names.KVLAB_RESUMES + "_total{")),
             "resumed_streams": [{"completion_tokens": (r["usage"] or {}).get("completion_tokens"), "ids": len(r["ids"]),
                                  "finishes": r["finishes"], "chars": len(r["text"]),
+                                 "uninterrupted_chars": len(ref["text"]),
                                  "same_as_uninterrupted_chars": common(r["text"], ref["text"])}
                                 for r, ref in resumed]}
 

