@@ -1,7 +1,8 @@
 """`kvlab lab` (what `make lab` runs): cache-blind vs KV-aware on the same replicas, workload and seed.
 
 A topology with `gateway.autoscale` runs the ramping-load autoscaling scenario instead
-(kvlab.scenarios.autoscale, docs/autoscaling.md).
+(kvlab.scenarios.autoscale, docs/autoscaling.md); one with `faults:` kills a replica under load
+and restarts it (kvlab.scenarios.outage, docs/reliability.md).
 
 Starts the replicas once (simulator by default), then per phase: reset every replica's prefix
 cache, start the gateway with the phase's policy (round-robin first, kv-aware second), run the
@@ -153,6 +154,13 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
                              policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                              quick=args.quick, duration_s=args.duration, users=args.users,
                              run_dir=Path(args.run_dir) if args.run_dir else None)
+    if topology.faults is not None:   # a replica killed under load and restarted
+        from kvlab.scenarios.outage import run_outage
+
+        return run_outage(topology, bench_spec(args, topology, FULL), console,
+                          policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
+                          quick=args.quick, duration_s=args.duration, users=args.users,
+                          run_dir=Path(args.run_dir) if args.run_dir else None)
     resolve(policies)   # an unknown router fails here, before anything starts
     specs = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
     if len(specs) == 1:
@@ -166,6 +174,8 @@ def _open(args: argparse.Namespace, topology: Topology) -> None:
     options.check(args)
     if topology.gateway.autoscale is not None and (args.rate or args.rates or args.trace):
         raise KvlabError("the autoscale scenario ramps closed-loop users: --rate/--rates/--trace do not apply")
+    if topology.faults is not None and (args.rate or args.rates or args.trace):
+        raise KvlabError("the faults scenario runs closed-loop users: --rate/--rates/--trace do not apply")
 
 
 def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec, phases: list[Phase],

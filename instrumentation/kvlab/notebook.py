@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -199,9 +199,11 @@ def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
 
 def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = QUICK_USERS,
-              duration_s: float = QUICK_DURATION_S, seed: int = 0, min_requests: int = 0) -> LabPhase:
+              duration_s: float = QUICK_DURATION_S, seed: int = 0, min_requests: int = 0,
+              until: Callable[[list[Record]], bool] | None = None) -> LabPhase:
     """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab.run.phases);
-    with `min_requests`, the phase also runs until that many completed (as `kvlab lab`'s).
+    with `min_requests`, the phase also runs until that many completed (as `kvlab lab`'s), with
+    `until` until that holds for its records (a scenario's condition: kvlab.scenarios.outage).
 
     Writes <run>/phase-N-<policy>/ (requests.jsonl, summary.json, replica-samples.json, the
     engines' prefix-cache counters before/after) and returns load_phase() of it."""
@@ -216,7 +218,7 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
     before = replica_metrics(stack)   # counters only grow: a reset or a gateway start does not move them
     try:
         stack_.start()
-        (result,) = run_phases(stack_, spec, [Phase(policy, policy)], run, display, first=number)
+        (result,) = run_phases(stack_, spec, [Phase(policy, policy)], run, display, first=number, until=until)
     finally:
         stack_.stop()
     after = replica_metrics(stack)

@@ -106,6 +106,16 @@ class WorkloadSettings(Strict, frozen=True):
     params: dict[str, Any] = {}
 
 
+class FaultSettings(Strict, frozen=True):
+    """A replica lost under load (`kvlab lab` runs the outage scenario, kvlab.scenarios.outage): once
+    the gateway has answered `after_requests`, pool `kill`'s engine processes are SIGKILLed; the
+    phase ends `after_restart` requests after the replica answers again (docs/reliability.md)."""
+
+    kill: str
+    after_requests: int = 30
+    after_restart: int = 60
+
+
 class Topology(Strict, frozen=True):
     name: str = "lab"
     model: str = "kvlab-tiny"       # the served model name clients ask for
@@ -118,6 +128,7 @@ class Topology(Strict, frozen=True):
     gateway: GatewaySettings = GatewaySettings()
     observability: ObservabilitySettings = ObservabilitySettings()
     workload: WorkloadSettings = WorkloadSettings()
+    faults: FaultSettings | None = None   # set: `kvlab lab` kills and restarts a replica under load
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.pools]
@@ -128,6 +139,11 @@ class Topology(Strict, frozen=True):
         for p in self.pools:
             if p.replicas < 0 or p.data_parallel_size < 1:
                 raise ConfigError(f"topology: pool {p.name!r} needs replicas >= 0 and data_parallel_size >= 1")
+
+        if self.faults is not None and self.faults.kill not in names:
+            raise ConfigError(f"topology: faults.kill names no pool ({self.faults.kill!r}; pools {names})")
+        if self.faults is not None and len(self.pools) < 2:
+            raise ConfigError("topology: faults needs a second pool to resume the killed replica's requests on")
 
         slots = self.gpu.gpus * self.gpu.replicas_per_gpu
         if self.gpu.replicas_per_gpu > 1 and self.total_replicas > slots:

@@ -130,17 +130,20 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
 
 
 def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str = "", policy: str = "",
-              otlp_endpoint: str | None = None, progress: Progress | None = None) -> Summary:
+              otlp_endpoint: str | None = None, progress: Progress | None = None,
+              until: Callable[[list[Record]], bool] | None = None) -> Summary:
     """Run one Locust load test; writes requests.jsonl, summary.json, locust_*.csv, locust.html,
     locust.log. With `spec.ramp`, users follow it (`users`/`duration_s` are then taken from it).
 
     With `spec.min_requests`, short of the minimum when the limit is reached it writes
-    summary.json and raises StackError naming the slow part."""
+    summary.json and raises StackError naming the slow part. With `until`, the phase also runs
+    until it holds for the records so far (at most the limit; a scenario's own condition)."""
     users, duration_s, min_requests = spec.users, spec.duration_s, spec.min_requests
     if spec.ramp is not None:
         users, duration_s = spec.ramp.peak, spec.ramp.duration_s
         min_requests = 0
-    limit_s = max(spec.limit_s or 4 * duration_s, duration_s) if min_requests else duration_s
+    bounded = bool(min_requests) or until is not None
+    limit_s = max(spec.limit_s or 4 * duration_s, duration_s) if bounded else duration_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "requests.jsonl"
@@ -167,8 +170,8 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
                     raise StackError(f"locust did not finish in time; see {out / 'locust.log'}")
                 if progress:
                     progress(elapsed, records)
-                if min_requests and elapsed >= duration_s and (
-                        elapsed >= limit_s or sum(1 for r in records if not r.error) >= min_requests):
+                if bounded and elapsed >= duration_s and (elapsed >= limit_s or (
+                        sum(1 for r in records if not r.error) >= min_requests and (until is None or until(records)))):
                     break
                 time.sleep(0.25)
         finally:

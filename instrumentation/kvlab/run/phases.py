@@ -94,8 +94,9 @@ class RichDisplay:
 
 
 def run_phases(stack: Stack, spec: BenchSpec, phases: list[Phase], run_dir: Path, display: Display,
-               first: int = 1) -> list[PhaseResult]:
-    """Run `phases` in order on `stack` into run_dir/phase-N-<name>/ (N from `first`)."""
+               first: int = 1, until: Callable[[list[Record]], bool] | None = None) -> list[PhaseResult]:
+    """Run `phases` in order on `stack` into run_dir/phase-N-<name>/ (N from `first`); `until`: a
+    phase also runs until it holds for its records (run_bench)."""
     out: list[PhaseResult] = []
     total_s = spec.ramp.duration_s if spec.ramp is not None else spec.duration_s
     for number, phase in enumerate(phases, first):
@@ -104,7 +105,7 @@ def run_phases(stack: Stack, spec: BenchSpec, phases: list[Phase], run_dir: Path
         target = stack.gateway_for(phase.policy, fresh=phase.fresh, entry=phase.entry)
         phase_dir = run_dir / f"phase-{number}-{phase.name}"
         summary = run_bench(target, phase_dir, spec, phase=phase.name, policy=phase.policy,
-                            otlp_endpoint=stack.otlp_endpoint, progress=watch)
+                            otlp_endpoint=stack.otlp_endpoint, progress=watch, until=until)
         display.end()
         out.append(PhaseResult(phase=phase, dir=phase_dir, summary=summary,
                                records=read_records(phase_dir / "requests.jsonl"), resets=resets))

@@ -366,3 +366,78 @@ def slowloris(run_dir: Path, connections: int = 200, idle_s: float = 2.0) -> dic
             s.close()
         return {"connections": connections, "client_idle_s": idle_s, "still_open": len(open_),
                 "all_cut_after_s": round(cut, 2), "p50_ms_meanwhile": round(served, 2)}
+
+
+def kv_event_gap(replay: bool, resync_s: float = 0.5, block_size: int = 16, lost: int = 4) -> dict[str, Any]:
+    """A replica's KV-event stream drops and comes back, over real ZMQ sockets: the publisher
+    unbinds, publishes `lost` batches nobody hears and binds again. With a replay endpoint (vLLM's
+    protocol) the gateway's feed fetches the lost batches; without, it marks the replica stale
+    until `resync_s` of gap-free events. Returns the feed's state and index after the gap."""
+    from kvlab.contract import Endpoint
+    from kvlab.gateway.endpoints import Backend
+    from kvlab.gateway.kvevents import EventFeed
+    from kvlab.kvcache.events import BlockStored
+    from kvlab.kvcache.hashing import block_keys
+    from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+    from kvlab.kvcache.transport import EventPublisher
+
+    prompt = list(range(1000, 1000 + (2 * lost + 4) * block_size))
+    keys = {block_size: block_keys(prompt, block_size)}
+
+    def stored(b: int) -> BlockStored:
+        return BlockStored(block_hashes=[10_000 + b], parent_block_hash=None if b == 0 else 10_000 + b - 1,
+                           token_ids=prompt[b * block_size:(b + 1) * block_size], block_size=block_size)
+
+    async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(what)
+            await asyncio.sleep(0.01)
+
+    async def go() -> dict[str, Any]:
+        endpoint = f"tcp://{HOST}:{free_port()}"
+        pub = EventPublisher(endpoint, bind=True, replay=f"tcp://{HOST}:*" if replay else None)
+        precise, approx = PreciseIndex(), ApproximateIndex()
+        feed = EventFeed(precise, approx, resync_s=resync_s)
+        r = Backend(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
+        known = lambda: precise.match(keys, {"a": block_size})["a"] // block_size   # noqa: E731
+        task = asyncio.create_task(feed.run(r))
+        try:
+            t0 = time.monotonic()
+            while r.events_state != "live":      # a slow joiner: publish until the subscriber hears it
+                pub.publish([stored(0)])
+                await asyncio.sleep(0.05)
+                if time.monotonic() - t0 > 5:
+                    raise TimeoutError("the subscriber never connected")
+            for b in range(1, lost):
+                pub.publish([stored(b)])
+            await until(lambda: known() == lost, "blocks before the gap")
+            before = known()
+            pub._sock.unbind(pub.endpoint)       # the stream drops
+            await asyncio.sleep(0.2)
+            for b in range(lost, 2 * lost):
+                pub.publish([stored(b)])
+            pub._sock.bind(pub.endpoint)
+            b, t_back = 2 * lost, time.monotonic()
+            while r.events_gaps + r.events_replayed == 0:    # until the subscriber has reconnected
+                pub.publish([stored(2 * lost + b % 4)])      # blocks past the lost ones
+                b += 1
+                await asyncio.sleep(0.05)
+                if time.monotonic() - t_back > 5:
+                    raise TimeoutError("the subscriber never reconnected")
+            out = {"replay": replay, "lost_batches": lost, "blocks_before": before, "state_after_gap": r.events_state,
+                   "gaps": r.events_gaps, "replayed": r.events_replayed, "blocks_after_gap": known()}
+            t_stale = time.monotonic()
+            while r.events_state != "live":      # gap-free (empty) batches until it is trusted again
+                pub.publish([])
+                await asyncio.sleep(0.05)
+                if time.monotonic() - t_stale > 5 * resync_s + 2:
+                    raise TimeoutError("the replica's events were never trusted again")
+            out["stale_s"] = round(time.monotonic() - t_stale, 2) if out["state_after_gap"] == "stale" else 0.0
+            return out
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+    return asyncio.run(go())
