@@ -200,10 +200,11 @@ def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
 def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = QUICK_USERS,
               duration_s: float = QUICK_DURATION_S, seed: int = 0, min_requests: int = 0,
-              until: Callable[[list[Record]], bool] | None = None) -> LabPhase:
+              until: Callable[[list[Record]], bool] | None = None, limit_s: float | None = None) -> LabPhase:
     """Reset the caches, route with `policy`, replay the seeded Locust workload (kvlab.run.phases);
     with `min_requests`, the phase also runs until that many completed (as `kvlab lab`'s), with
-    `until` until that holds for its records (a scenario's condition: kvlab.scenarios.outage).
+    `until` until that holds for its records (a scenario's condition: kvlab.scenarios.outage), at
+    most `limit_s` (default 4 × `duration_s`).
 
     Writes <run>/phase-N-<policy>/ (requests.jsonl, summary.json, replica-samples.json, the
     engines' prefix-cache counters before/after) and returns load_phase() of it."""
@@ -211,7 +212,7 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
     number = 1 + max([int(p.name.split("-")[1]) for p in run.glob("phase-*-*") if p.name.split("-")[1].isdigit()],
                      default=0)
     spec = BenchSpec(workload=workload, params=params or {}, users=users, duration_s=duration_s, seed=seed,
-                     model=stack["model"], min_requests=min_requests,
+                     model=stack["model"], min_requests=min_requests, limit_s=limit_s,
                      trace_sample_ratio=(stack.get("topology") or {}).get("observability", {}).get("sample_ratio", 1.0))
     display = _Display(stack)
     stack_ = AttachedStack.of(stack)

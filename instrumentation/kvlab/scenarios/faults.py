@@ -401,7 +401,10 @@ def kv_event_gap(replay: bool, resync_s: float = 0.5, block_size: int = 16, lost
         precise, approx = PreciseIndex(), ApproximateIndex()
         feed = EventFeed(precise, approx, resync_s=resync_s)
         r = Backend(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
-        known = lambda: precise.match(keys, {"a": block_size})["a"] // block_size   # noqa: E731
+
+        def known() -> int:
+            return precise.match(keys, {"a": block_size})["a"] // block_size
+
         task = asyncio.create_task(feed.run(r))
         try:
             t0 = time.monotonic()

@@ -40,6 +40,7 @@ from kvlab.topology import FaultSettings, Topology
 
 FULL = {"duration": 20.0, "users": 8}
 QUICK = {"duration": 10.0, "users": 8}
+_REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
 
 
@@ -98,7 +99,7 @@ class Outage:
         while not self._stop.wait(self.interval_s):
             now = time.time()
             metrics = _get(self.gateway_url + "/metrics") or ""
-            requests = sum(float(v) for v in re.findall(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", metrics, re.M))
+            requests = sum(float(v) for v in _REQUESTS.findall(metrics))
             resumes = {r: float(v) for r, v in _RESUMES.findall(metrics)}
             up = _get(self.replica["url"] + "/health") is not None
             if self._base is None:
@@ -143,7 +144,15 @@ class Outage:
                 "in_flight_at_kill": len(hit),
                 "after_restart_on_replica": sum(1 for r in records if self.back_at and r.ts >= self.back_at
                                                 and r.replica == self.replica["name"]),
-                "stall_ms_p50_in_flight": stall(hit), "stall_ms_p50_others": stall([r for r in records if id(r) not in ids])}
+                "stall_ms_p50_in_flight": stall(hit),
+                "stall_ms_p50_others": stall([r for r in records if id(r) not in ids])}
+
+
+    def save(self, out: Path, records: list[Record]) -> dict[str, Any]:
+        """result() written to `out` (a phase folder's outage.json) with the samples; returns it."""
+        result = self.result(records)
+        write_json(Path(out) / "outage.json", {**result, "samples": self.samples})
+        return result
 
 
 def hit_rate_over_time(records: list[Record], t0: float, bin_s: float = 1.0) -> dict[str, list[tuple[float, float]]]:
@@ -192,8 +201,7 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
 
         with outage, RichDisplay(console, live=live) as display:
             (ran,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display, until=outage.done)
-    result = outage.result(ran.records)
-    write_json(ran.dir / "outage.json", {**result, "samples": outage.samples})
+    result = outage.save(ran.dir, ran.records)
     document = {
         "id": run_dir.name, "run_dir": str(run_dir), "scenario": "faults", "engine": topology.engine,
         "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
@@ -214,5 +222,6 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
                   f"resumed requests' TTFT or worst token gap, p50: {result['stall_ms_p50_in_flight']} ms "
                   f"(the others: {result['stall_ms_p50_others']} ms)")
     console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  "
-                  f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  (`kvlab traces explain --resumed --run {run_dir}`)")
+                  f"{stack.traces_dir or stack.otlp_endpoint or 'off'}  "
+                  f"(`kvlab traces explain --resumed --run {run_dir}`)")
     return run_dir
