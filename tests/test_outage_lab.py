@@ -45,6 +45,7 @@ def test_no_request_fails_while_a_replica_is_killed_and_restarted(run):
     assert outage["resumes"] > 0 and outage["resumes_by_reason"]
     assert outage["back_at"] is not None and outage["down_s"] > 0, "the replica should have been restarted"
     assert outage["after_restart_on_replica"] > 0, "the restarted replica should be routed to again"
+    assert outage["hit_rate_after_restart"] > 0, "its cache should warm up again"
     assert sum(r["ts"] >= outage["back_at"] for r in records) >= 10   # the phase ran on after the restart
     samples = json.loads((run / "phase-1-kv-aware" / "outage.json").read_text())["samples"]
     assert any(not s["up"] for s in samples) and samples[-1]["up"]

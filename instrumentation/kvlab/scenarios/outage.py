@@ -132,6 +132,9 @@ class Outage:
         resumed requests' TTFT and worst token gap against everyone else's."""
         last = self.samples[-1] if self.samples else {}
         hit = self.in_flight_at_kill(records)
+        back = [r for r in records if self.back_at is not None and r.ts >= self.back_at
+                and r.replica == self.replica["name"] and not r.error]
+        prompt, cached = sum(r.prompt_tokens or 0 for r in back), sum(r.cached_tokens or 0 for r in back)
         ids = {id(r) for r in hit}
         def stall(rs: list[Record]) -> float | None:
             worst = sorted(max(r.ttft_ms or 0.0, r.itl_max_ms or 0.0) for r in rs if not r.error)
@@ -142,8 +145,8 @@ class Outage:
                 "requests": len(records), "failed": sum(1 for r in records if r.error),
                 "resumes": int(last.get("resumes", 0)), "resumes_by_reason": last.get("resumes_by_reason", {}),
                 "in_flight_at_kill": len(hit),
-                "after_restart_on_replica": sum(1 for r in records if self.back_at and r.ts >= self.back_at
-                                                and r.replica == self.replica["name"]),
+                "after_restart_on_replica": len(back),
+                "hit_rate_after_restart": round(cached / prompt, 3) if prompt else None,
                 "stall_ms_p50_in_flight": stall(hit),
                 "stall_ms_p50_others": stall([r for r in records if id(r) not in ids])}
 
@@ -218,7 +221,8 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
     down = f"down {result['down_s']} s" if result["down_s"] is not None else "[red]not back within the phase[/red]"
     console.print(f"[bold]{result['failed']} of {result['requests']} requests failed; {result['resumes']} resumed "
                   f"on another replica ({result['in_flight_at_kill']} were on {result['replica']} when it was killed); "
-                  f"{result['replica']} {down}, then served {result['after_restart_on_replica']} requests[/bold]\n"
+                  f"{result['replica']} {down}, then served {result['after_restart_on_replica']} requests "
+                  f"(delivered hit rate {result['hit_rate_after_restart'] or 0:.0%})[/bold]\n"
                   f"resumed requests' TTFT or worst token gap, p50: {result['stall_ms_p50_in_flight']} ms "
                   f"(the others: {result['stall_ms_p50_others']} ms)")
     console.print(f"report:  {report}\nsummary: {run_dir / 'summary.json'}\ntraces:  "
