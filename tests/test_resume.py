@@ -10,6 +10,7 @@ sent back (no gap, no repeat).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -330,3 +331,6 @@ def test_traces_explain_says_the_resume_in_words():
     span = Span("a" * 32, "b" * 16, None, names.SPAN_GATEWAY_REQUEST, "kvlab-gateway", "server", 1, 3, events=(ev,))
     (line,) = resumes(Trace("a" * 32, [span]))
     assert "sim-0 failed (stream) after 12 tokens" in line and "sim-1 continued" in line and "40" in line
+    early = SpanEvent(names.EVENT_RESUME, 2, {**ev.attributes, names.RESUME_TOKENS_SENT: 0})
+    (line,) = resumes(Trace("a" * 32, [dataclasses.replace(span, events=(early,))]))
+    assert "before any token reached the client; sim-1 served it from the start" in line and "continued" not in line

@@ -240,10 +240,10 @@ def resumes(trace: Trace) -> list[str]:
                 continue
             a = ev.attributes
             sent = a.get(names.RESUME_TOKENS_SENT, 0)
-            what = (f"after {sent} tokens had reached the client" if sent
-                    else "before any token reached the client")
+            what = (f"after {sent} tokens had reached the client; {a.get(names.REPLICA, '?')} continued the "
+                    "same generation from that text" if sent
+                    else f"before any token reached the client; {a.get(names.REPLICA, '?')} served it from the start")
             out.append(f"resume {a.get(names.RESUME_INDEX, '?')}: {a.get(names.RESUME_FROM, '?')} failed "
-                       f"({a.get(names.RESUME_REASON, '?')}) {what}; {a.get(names.REPLICA, '?')} continued the "
-                       f"same generation from that text, prefilling about {a.get(names.RESUME_PREFILL_TOKENS, '?')} "
-                       "prompt tokens its cache did not hold")
+                       f"({a.get(names.RESUME_REASON, '?')}) {what}, prefilling about "
+                       f"{a.get(names.RESUME_PREFILL_TOKENS, '?')} prompt tokens its cache did not hold")
     return out
