@@ -38,7 +38,7 @@ USERS = 8
 DURATION_S = 8.0             # the phase's least length; it goes on until AFTER_RESTART requests after the restart
 LIMIT_S = 150.0              # ... for at most this long (a busy machine restarts b slowly)
 AFTER_REQUESTS = 16          # b is killed once the gateway has answered this many
-AFTER_RESTART = 20
+AFTER_RESTART = 30           # b needs a few requests of groups it has seen again to hit its cache
 SEED = 0
 TRACE_REQUESTS = 30          # section 5: requests per trace-backend setting
 

@@ -40,6 +40,7 @@ from kvlab.topology import FaultSettings, Topology
 
 FULL = {"duration": 20.0, "users": 8}
 QUICK = {"duration": 10.0, "users": 8}
+LIMIT_S = 120.0     # the phase's default limit: a busy machine restarts the replica slowly
 _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
 
@@ -175,12 +176,14 @@ def hit_rate_over_time(records: list[Record], t0: float, bin_s: float = 1.0) -> 
 def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: str, *, quick: bool = False,
                duration_s: float | None = None, users: int | None = None, run_dir: Path | None = None) -> Path:
     """The scenario (see the module docstring) on a local stack of `topology` (its `faults:`),
-    one phase of `spec`'s workload; writes the usual run outputs plus phase-1-<policy>/outage.json."""
+    one phase of `spec`'s workload (at most `spec.limit_s`, default LIMIT_S); writes the usual run
+    outputs plus phase-1-<policy>/outage.json."""
     faults: FaultSettings | None = topology.faults
     assert faults is not None
     preset = QUICK if quick else FULL
     spec = msgspec.structs.replace(spec, duration_s=duration_s or preset["duration"],
-                                   users=users or int(preset["users"]), min_requests=0)
+                                   users=users or int(preset["users"]), min_requests=0,
+                                   limit_s=spec.limit_s or LIMIT_S)
     run_dir = run_dir.absolute() if run_dir else new_run_dir("faults")
     console.rule(f"[bold]kvlab lab · a replica lost under load[/bold] {run_dir.name}")
     console.print(f"{topology.total_replicas} {topology.engine} replicas · policy {policy} · workload {spec.workload} "
