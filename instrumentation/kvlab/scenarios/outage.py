@@ -137,9 +137,9 @@ class Outage:
                 and r.replica == self.replica["name"] and not r.error]
         prompt, cached = sum(r.prompt_tokens or 0 for r in back), sum(r.cached_tokens or 0 for r in back)
         ids = {id(r) for r in hit}
-        def stall(rs: list[Record]) -> float | None:
+        def stall(rs: list[Record], q: float = 0.5) -> float | None:
             worst = sorted(max(r.ttft_ms or 0.0, r.itl_max_ms or 0.0) for r in rs if not r.error)
-            return round(worst[len(worst) // 2], 1) if worst else None
+            return round(worst[min(int(len(worst) * q), len(worst) - 1)], 1) if worst else None
         return {"replica": self.replica["name"], "killed_pid": self.killed_pid, "killed_at": self.killed_at,
                 "back_at": self.back_at,
                 "down_s": round(self.back_at - self.killed_at, 2) if self.back_at and self.killed_at else None,
@@ -148,7 +148,7 @@ class Outage:
                 "in_flight_at_kill": len(hit),
                 "after_restart_on_replica": len(back),
                 "hit_rate_after_restart": round(cached / prompt, 3) if prompt else None,
-                "stall_ms_p50_in_flight": stall(hit),
+                "stall_ms_p50_in_flight": stall(hit), "stall_ms_max_in_flight": stall(hit, 1.0),
                 "stall_ms_p50_others": stall([r for r in records if id(r) not in ids])}
 
 
