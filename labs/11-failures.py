@@ -29,7 +29,8 @@
 #    endpoint) and a **trace backend that is down** or black-holes (requests do not notice).
 #
 # The same story from the command line: `kvlab lab --topology faults` (labs/topologies/faults.yaml).
-# Time: about a minute (one phase that runs until the restarted replica has served a while).
+# Time: 80–110 s on 2 cores (the stack's start; one phase that runs until the restarted replica has served a
+# while; section 5 starts one more gateway).
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the supervisor restarting the replica is `kvlab up`'s
