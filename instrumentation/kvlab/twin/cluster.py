@@ -1,0 +1,284 @@
+"""The whole system in virtual time: clients, the gateway's router, replicas, one event queue.
+
+Events, in time order: a client sends (the prompt is tokenized and routed with the router's view
+as it is at that moment), the request reaches its replica's queue (after the tokenize and request
+overheads), a replica's engine step ends (tokens delivered, KV events emitted), a batch of KV
+events reaches the gateway's precise index, the load view is scraped. Nothing waits on a clock: a
+run of an hour of traffic takes as long as its Python work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvlab.engine.sim.scheduler import FINISHED, Request
+from kvlab.gateway.endpoints import Registry
+from kvlab.gateway.prefill import Prefill, PrefillBook
+from kvlab.gateway.router import Router
+from kvlab.gateway.scheduler import presets
+from kvlab.kvcache.events import Event
+from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.load.measure import Record
+from kvlab.load.oracle import Prompt as Blocks
+from kvlab.twin.feed import Feed, Prompt
+from kvlab.twin.replica import Replica
+from kvlab.twin.settings import Plan
+
+SEND, SUBMIT, STEP, EVENTS, SCRAPE = 0, 1, 2, 3, 4
+_OUTPUT_TOKEN = 1000   # the id every simulated output token has (its value never matters here)
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request from its send to its last token."""
+
+    prompt: Prompt
+    sent_ms: float
+    replica: Replica
+    req: Request
+    prefill: Prefill
+    work: int
+    record: Record
+    user: int | None
+    last_ms: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a run produced: one record per request, and how the run went."""
+
+    records: list[Record]
+    virtual_s: float
+    steps: int
+    replicas: list[str]
+    index_blocks: int              # blocks in the precise index at the end
+    speculative_confirmed: int
+    speculative_expired: int
+
+
+class Cluster:
+    """Build the replicas and the gateway's router for a plan; `run` sends its requests."""
+
+    def __init__(self, plan: Plan, feed: Feed | None = None, keep_keys: bool = True) -> None:
+        self.plan = plan
+        self.sent: list[Blocks] | None = [] if keep_keys else None   # for the oracle, in send order
+        info = plan.information
+        self.info = info
+        cfg = plan.policy
+        ttl = cfg.index.speculative_ttl_s if info.speculative_ttl_s is None else info.speculative_ttl_s
+        self.now_ms = 0.0
+        self.precise = PreciseIndex(ttl, clock=lambda: self.now_ms / 1000.0)
+        self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
+        events = cfg.index.kind == "precise"
+        self.replicas = [Replica(i, plan.profile, plan.topology.sim, plan.num_blocks, events, plan.settings.seed)
+                         for i in range(plan.replicas)]
+        self.registry = Registry()
+        self.registry.update([r.backend.endpoint for r in self.replicas])
+        self.registry.replicas = {r.name: r.backend for r in self.replicas}
+        for r in self.replicas:
+            r.backend.events_state = "live" if events else "none"
+        self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg, _rng(plan)))
+        self.book = PrefillBook()
+        self.feed = feed or Feed(plan.workload)
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._flights: dict[str, Flight] = {}
+        self._pending_events: dict[str, list[Event]] = {}
+        self._ids = 0
+
+    # ---- the event queue ----------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, obj))
+
+    def run(self, progress: Callable[[int], None] | None = None) -> Outcome:
+        """Send the plan's requests, run until every one finished; `progress(n)` after each finishes."""
+        plan = self.plan
+        total = plan.settings.requests
+        sessions = self.feed.sessions()
+        self._sessions = sessions
+        self._left = total            # requests still to send
+        self._records: list[Record] = []
+        self._progress = progress
+        self._user_session: dict[int, list[Prompt]] = {}
+        if plan.users is not None:
+            for u in range(min(plan.users, total)):
+                self._next_of_user(u, 0.0)
+        else:
+            for t_s in self._schedule():
+                if self._left <= 0:
+                    break
+                session = next(sessions)
+                self._left -= 1
+                self._push(t_s * 1000.0, SEND, (session[0], None, session[1:]))
+        if self.info.scrape_interval_ms > 0:
+            self._push(0.0, SCRAPE, None)
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, obj = pop(heap)
+            self.now_ms = t
+            if kind == STEP:
+                self._step_end(obj)  # type: ignore[arg-type]
+            elif kind == SEND:
+                self._send(*obj)  # type: ignore[misc]
+            elif kind == SUBMIT:
+                self._submit(obj)  # type: ignore[arg-type]
+            elif kind == EVENTS:
+                name, batch = obj  # type: ignore[misc]
+                self.precise.apply(name, self._pending_events.pop(name, []) if batch is None else batch)
+            elif kind == SCRAPE:
+                for r in self.replicas:
+                    r.scrape()
+                if len(heap) > 0:
+                    self._push(t + self.info.scrape_interval_ms, SCRAPE, None)
+        return Outcome(self._records, self.now_ms / 1000.0, sum(r.steps for r in self.replicas),
+                       [r.name for r in self.replicas], self.precise.total_blocks(), self.precise.confirmed,
+                       self.precise.expired)
+
+    def _schedule(self) -> Iterator[float]:
+        """Open-loop send times in seconds: the trace's own (times time_scale) or the arrival process's."""
+        plan = self.plan
+        if plan.trace_timing:
+            from kvlab.load.workloads.trace import Trace
+            assert isinstance(plan.workload, Trace)
+            yield from plan.workload.offsets(plan.settings.time_scale)
+            return
+        assert plan.arrival is not None
+        t = 0.0
+        for gap in plan.arrival.gaps(plan.settings.seed):
+            yield t
+            t += gap
+
+    def _next_of_user(self, user: int, t_ms: float) -> None:
+        """A closed-loop user sends its session's next request, or starts a new session."""
+        rest = self._user_session.get(user)
+        if not rest:
+            if self._left <= 0:
+                return
+            rest = next(self._sessions)
+        self._left -= 1
+        prompt, rest = rest[0], rest[1:]
+        self._user_session[user] = rest
+        self._push(t_ms + prompt.pause_s * 1000.0, SEND, (prompt, user, []))
+
+    # ---- the gateway -----------------------------------------------------------------------
+    def _send(self, prompt: Prompt, user: int | None, rest: list[Prompt]) -> None:
+        """The gateway receives a request: tokenize, route (the router's view as it is now), lease."""
+        now = self.now_ms
+        if self.info.scrape_interval_ms <= 0:
+            for r in self.replicas:
+                r.scrape()
+        tokens = prompt.tokens
+        routed = self.router.route(tokens)
+        d = routed.decision
+        if self.sent is not None:
+            self.sent.append(Blocks(len(tokens), routed.keys_by_size[self.plan.topology.sim.block_size]))
+        backend = d.chosen.replica
+        replica = self.replicas[int(backend.name.rsplit("-", 1)[1])]
+        work = max(len(tokens) - d.chosen.prefix_tokens, 0)
+        backend.inflight += 1
+        backend.routed += 1
+        backend.inflight_tokens += work
+        prefill = self.book.start(backend, work)
+        self._ids += 1
+        rid = f"t{self._ids}"
+        req = Request(rid, tokens, [_OUTPUT_TOKEN] * prompt.max_tokens, replica.sched.prompt_keys(tokens))
+        plan = self.plan
+        record = Record(ts=now / 1000.0, phase=plan.policy.name, policy=plan.policy.name,
+                        workload=plan.workload.name, group=prompt.group, session=prompt.session, step=prompt.step,
+                        status=200, prompt_tokens=len(tokens), available_tokens=d.available_tokens,
+                        predicted_tokens=d.predicted_tokens, speculative_tokens=d.speculative_tokens,
+                        replica=replica.name)
+        flight = Flight(prompt, now, replica, req, prefill, work, record, user)
+        self._flights[rid] = flight
+        delay = self.info.request_overhead_ms + self.info.tokenize_ms_per_1k * len(tokens) / 1000.0
+        prefill.started = (now + delay) / 1000.0   # the gateway's clock for the TTFT sample
+        if rest:   # an open-loop session's later requests follow this one (closed loop inside it)
+            self._user_session[-self._ids] = rest
+            flight.user = -self._ids
+        self._push(now + delay, SUBMIT, flight)
+
+    def _submit(self, flight: Flight) -> None:
+        replica = flight.replica
+        replica.sched.add(flight.req)
+        if not replica.busy:
+            self._push(self.now_ms + replica.start_step(), STEP, replica)
+
+    # ---- the engines -----------------------------------------------------------------------
+    def _step_end(self, replica: Replica) -> None:
+        now = self.now_ms
+        batch = replica.batch
+        assert batch is not None
+        replica.busy = False
+        replica.batch = None
+        flights = self._flights
+        for req in replica.sched.complete(batch):
+            f = flights[req.id]
+            if req.num_output == 1:
+                f.record.ttft_ms = now - f.sent_ms
+                self.book.first_token(f.prefill, now / 1000.0)
+            else:
+                f.gaps.append(now - f.last_ms)
+            f.last_ms = now
+            if req.status == FINISHED:
+                self._finish(f)
+        if replica.events:
+            self._publish(replica)
+        if replica.sched.has_work():
+            self._push(now + replica.start_step(), STEP, replica)
+
+    def _publish(self, replica: Replica) -> None:
+        events = replica.pool.take_events()
+        if not events:
+            return
+        info = self.info
+        name = replica.name
+        if info.kv_event_batch_ms > 0:
+            held = self._pending_events.get(name)
+            if held is not None:
+                held.extend(events)
+                return
+            self._pending_events[name] = events
+            w = info.kv_event_batch_ms
+            due = (self.now_ms // w + 1) * w + info.kv_event_delay_ms
+            self._push(due, EVENTS, (name, None))   # None: the window's events, whatever they are then
+            return
+        if info.kv_event_delay_ms <= 0:
+            self.precise.apply(name, events)
+        else:
+            self._push(self.now_ms + info.kv_event_delay_ms, EVENTS, (name, events))
+
+    def _finish(self, f: Flight) -> None:
+        now = self.now_ms
+        del self._flights[f.req.id]
+        b = f.replica.backend
+        b.inflight -= 1
+        b.inflight_tokens -= f.work
+        self.book.finish(f.prefill)
+        rec = f.record
+        rec.e2e_ms = now - f.sent_ms
+        rec.output_tokens = f.req.num_output
+        rec.cached_tokens = f.req.num_cached or 0
+        if f.gaps:
+            rec.itl_ms = sum(f.gaps) / len(f.gaps)
+            rec.itl_max_ms = max(f.gaps)
+            assert rec.ttft_ms is not None
+            rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
+        self._records.append(rec)
+        if self._progress is not None:
+            self._progress(len(self._records))
+        if f.user is not None:
+            if f.user < 0:   # an open-loop session's next request
+                rest = self._user_session.pop(f.user)
+                self._push(now + rest[0].pause_s * 1000.0, SEND, (rest[0], None, rest[1:]))
+            else:
+                self._next_of_user(f.user, now)
+
+
+def _rng(plan: Plan) -> random.Random:
+    return random.Random(f"{plan.settings.seed}:twin-picker")

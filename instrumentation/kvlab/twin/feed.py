@@ -1,0 +1,79 @@
+"""The workload as the twin sends it: each request's prompt token ids, as the gateway tokenizes them.
+
+A shipped workload's chat messages go through the gateway's own `PromptTokenizer` (the same ids
+the live gateway routes on and the simulator computes). A Mooncake trace is different in size
+(10,000 requests of ~12,000 tokens): its prompts are assembled from per-block token ids, each
+block's words tokenized once (`Trace.block`, seeded by its hash id), inside the chat template's
+head and tail. Token counts and the prefix structure are the trace's; only ids at block seams can
+differ from tokenizing the joined text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.load.workloads import Workload
+from kvlab.load.workloads.trace import Trace, TraceRow
+
+_MARK = "\x00twin\x00"
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One request to send: its token ids and what the records say about it."""
+
+    tokens: list[int]
+    max_tokens: int
+    group: str
+    session: int
+    step: int
+    pause_s: float = 0.0
+
+
+class Feed:
+    """Sessions of prompts in the workload's stream order (deterministic for its seed)."""
+
+    def __init__(self, workload: Workload[Any], tokenizer: PromptTokenizer | None = None) -> None:
+        self.workload = workload
+        self.tok = tokenizer or PromptTokenizer()
+        self._blocks: dict[tuple[int, int], list[int]] = {}
+        head, _, tail = self.tok.tok.render_chat([{"role": "user", "content": _MARK}]).partition(_MARK)
+        self._head = self.tok.encode_text(head, False)[0]
+        self._tail = self.tok.encode_text(tail, False)[0]
+
+    def sessions(self) -> Iterator[list[Prompt]]:
+        """The endless stream of sessions, each a list of prompts sent in order."""
+        if isinstance(self.workload, Trace):
+            yield from self._trace(self.workload)
+            return
+        for n, session in enumerate(self.workload.sessions()):
+            yield [Prompt(self.tok.encode_chat(r.messages)[0], r.max_tokens, r.group, n, i, r.pause_s)
+                   for i, r in enumerate(session)]
+
+    def _trace(self, trace: Trace) -> Iterator[list[Prompt]]:
+        n, round_ = 0, 0
+        while True:
+            for row in trace.rows:
+                yield [Prompt(self._trace_tokens(trace, row, round_), max(1, round(row.output_length *
+                              trace.params.token_scale)), f"h{row.hash_ids[0]}", n, 0)]
+                n += 1
+            round_ += 1
+
+    def _trace_tokens(self, trace: Trace, row: TraceRow, round_: int) -> list[int]:
+        size = trace.block_tokens
+        tokens = min(max(1, round(row.input_length * trace.params.token_scale)), size * len(row.hash_ids))
+        out = list(self._head)
+        for i, h in enumerate(row.hash_ids):
+            if len(out) - len(self._head) >= tokens:
+                break
+            ids = self._blocks.get((h, round_))
+            if ids is None:
+                text = " ".join(trace.block(h, round_))
+                ids = self._blocks[(h, round_)] = self.tok.tok.encode(text if i == 0 else " " + text)[:size]
+            out.extend(ids)
+        del out[len(self._head) + tokens:]
+        out.extend(self._tail)
+        return out

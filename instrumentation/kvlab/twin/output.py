@@ -1,0 +1,78 @@
+"""Everything a twin run writes, through the live runs' own writers, so the two sit side by side.
+
+Per policy: <run>/<policy>/summary.json (the typed `Summary`) and requests.jsonl; for the run:
+report.html (report/html.py) and compare.json / compare.html (report/compare.py, compare.json's
+shape) and twin.json (the settings and what the router saw). Every page says it is from the twin.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvlab.compare.results import Row, row
+from kvlab.lifecycle import write_atomic
+from kvlab.load.measure import Record
+from kvlab.load.oracle import Oracle
+from kvlab.load.summary import Summary
+from kvlab.report.compare import write_compare
+from kvlab.report.html import write_report
+from kvlab.run.phases import Phase, PhaseResult
+
+SOURCE = "kvlab twin: virtual time, simulated replicas (not a live run)"
+BANNER = (f'<p class="note" style="font-weight:bold">Every figure on this page is from the {SOURCE}; '
+          "docs/twin.md says what it models.</p>")
+
+
+def _json(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _label(html_path: Path) -> None:
+    """Put the twin banner under the page's heading (the renderers are the live runs')."""
+    text = html_path.read_text(encoding="utf-8")
+    head, sep, rest = text.partition("</h1>")
+    html_path.write_text(head.replace("<h1>", "<h1>[twin] ", 1) + sep + BANNER + rest if sep else text,
+                         encoding="utf-8")
+
+
+def write_policy(run_dir: Path, policy: str, summary: Summary, records: list[Record]) -> Path:
+    """<run>/<policy>/summary.json and requests.jsonl."""
+    d = run_dir / policy
+    d.mkdir(parents=True, exist_ok=True)
+    write_atomic(d / "summary.json", summary.to_json())
+    enc = msgspec.json.Encoder()
+    with (d / "requests.jsonl").open("wb") as f:
+        for r in records:
+            f.write(enc.encode(r) + b"\n")
+    return d
+
+
+def compare_row(policy: str, summary: Summary, ceiling: Oracle | None) -> Row:
+    """The compare.json row of one policy (replica counts from the twin's own records)."""
+    served = {k: float(v) for k, v in summary.replicas.items()}
+    return row(policy, False, summary, ceiling, {}, served, {})
+
+
+def write_run(run_dir: Path, document: dict[str, Any], summaries: dict[str, Summary],
+              records: dict[str, list[Record]], rows: list[Row], oracle_note: str) -> dict[str, Path]:
+    """twin.json, compare.json, compare.html and report.html of a run (summaries already written)."""
+    workload = document["workload"]["name"]
+    compare = {**document, "id": run_dir.name, "run_dir": str(run_dir), "engine": "twin", "source": SOURCE,
+               "routers": list(summaries),
+               "workloads": {workload: {"workload": document["workload"], "oracle_note": oracle_note,
+                                        "routers": [msgspec.to_builtins(r) for r in rows]}}}
+    _json(run_dir / "twin.json", document)
+    _json(run_dir / "compare.json", compare)
+    cmp_html = write_compare(run_dir / "compare.html", compare, {workload: records})
+    phases = {p: PhaseResult(phase=Phase(p, p), dir=run_dir / p, summary=s, records=records[p])
+              for p, s in summaries.items()}
+    report = write_report(run_dir / "report.html", phases,
+                          {"run": run_dir.name, "source": SOURCE, "workload": workload,
+                           "replicas": document["replicas"], "seed": document["seed"]})
+    for page in (cmp_html, report):
+        _label(page)
+    return {"compare": cmp_html, "report": report}

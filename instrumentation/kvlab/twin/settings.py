@@ -1,0 +1,127 @@
+"""What a twin run is, typed and checked once before anything runs (`resolve`).
+
+`Information` is what the router sees of the replicas, each part a setting whose default is the
+live stack's: KV events reach the gateway's index a little after the engine step that stored the
+blocks; the load view (queue, running, KV usage) is a scrape every 200 ms; speculative blocks live
+for the policy's TTL; tokenizing a prompt takes time before it is routed. `perfect: true` switches
+every lag off: the router's upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+from kvlab.config import Strict
+from kvlab.engine.sim.profile import LatencyProfile, get_profile
+from kvlab.errors import ConfigError
+from kvlab.gateway.config import PolicyConfig, load_policy
+from kvlab.load.arrival import Arrival, arrival
+from kvlab.load.workloads import Workload, create
+from kvlab.topology import Topology, builtin, load_topology
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+MAX_REPLICAS = 128
+
+
+class Information(Strict, frozen=True):
+    """What the router sees, and how late (defaults: the live stack's, docs/twin.md)."""
+
+    # engine step end -> blocks in the gateway's precise index: ZMQ publish, the gateway's
+    # subscriber task and `PreciseIndex.apply` on a local machine take about a millisecond
+    kv_event_delay_ms: NonNegative = 1.0
+    # >0: events are held and applied in windows of this length (a batching publisher); 0: one
+    # batch per engine step, as vLLM and the simulator publish
+    kv_event_batch_ms: NonNegative = 0.0
+    # the gateway's load view (waiting, running, KV usage) is scraped this often
+    # (GatewaySettings.scrape_interval_ms, gateway/loadview.py); 0: always fresh
+    scrape_interval_ms: NonNegative = 200.0
+    # speculative blocks' TTL; None: the policy's own `index.speculative_ttl_s` (30 s); 0: off
+    speculative_ttl_s: NonNegative | None = None
+    # gateway tokenization before routing, per 1,000 prompt tokens (HF fast tokenizer, uncached
+    # text; kvlab's piece cache makes a shared system prompt nearly free, so this is an upper bound)
+    tokenize_ms_per_1k: NonNegative = 0.5
+    # fixed cost between a client's send and the engine queue (HTTP, routing, proxying), ms
+    request_overhead_ms: NonNegative = 2.0
+    perfect: bool = False   # every lag above off: events instant, load view fresh, no tokenize cost
+
+    def effective(self) -> Information:
+        """These settings with `perfect` applied."""
+        if not self.perfect:
+            return self
+        return Information(kv_event_delay_ms=0.0, kv_event_batch_ms=0.0, scrape_interval_ms=0.0,
+                           speculative_ttl_s=self.speculative_ttl_s, tokenize_ms_per_1k=0.0,
+                           request_overhead_ms=0.0, perfect=True)
+
+
+class TwinSettings(Strict, frozen=True):
+    """One twin run (`kvlab twin` flags, or a YAML file of these keys)."""
+
+    topology: str = "quickstart"          # a shipped name or a path
+    policy: str | None = None             # None: the topology's gateway policy
+    replicas: int | None = None           # None: the topology's replicas
+    profile: str | None = None            # None: the topology's sim profile
+    num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
+    workload: str | None = None           # None: the topology's workload
+    workload_params: dict[str, Any] = {}
+    trace: str | None = None              # a Mooncake trace (name or path): the trace workload
+    requests: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    users: Annotated[int, msgspec.Meta(ge=1)] | None = None    # closed loop (default without rate/trace: 8)
+    rate: Annotated[float, msgspec.Meta(gt=0)] | None = None   # open loop, requests/s
+    arrival: str = "poisson"              # poisson | constant | gamma:CV (with rate)
+    time_scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0     # a trace's timestamps times this
+    seed: int = 0
+    information: Information = Information()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a run needs, resolved and validated."""
+
+    settings: TwinSettings
+    topology: Topology
+    policy: PolicyConfig
+    profile: LatencyProfile
+    profile_name: str
+    replicas: int
+    num_blocks: int
+    workload: Workload[Any]
+    arrival: Arrival | None               # open loop at a rate
+    users: int | None                     # closed loop
+    trace_timing: bool                    # open loop at the trace's own timestamps
+    information: Information
+
+
+def resolve(s: TwinSettings) -> Plan:
+    """Check every setting and build the run's parts, or raise a ConfigError saying what is wrong."""
+    topo = load_topology(s.topology if s.topology.endswith((".yaml", ".yml")) else builtin(s.topology))
+    if any(p.role != "both" for p in topo.pools if p.replicas):
+        raise ConfigError(f"topology {topo.name}: prefill/decode pools are not modelled by the twin yet "
+                          "(docs/twin.md, what is not simulated)")
+    replicas = s.replicas if s.replicas is not None else sum(p.replicas * p.data_parallel_size for p in topo.pools)
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
+    policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
+    name = s.profile or topo.sim.profile
+    profile = get_profile(name)
+    blocks = s.num_blocks or topo.sim.num_blocks or profile.num_blocks
+    if blocks < 1:
+        raise ConfigError(f"num_blocks must be >= 1 (got {blocks})")
+    if s.trace is not None:
+        wname, params = "trace", {**s.workload_params, "path": s.trace}
+    else:
+        wname = s.workload or topo.workload.name
+        params = s.workload_params if s.workload else {**topo.workload.params, **s.workload_params}
+    try:
+        workload = create(wname, s.seed, params)
+    except ValueError as exc:   # a parameter check in a workload's __post_init__
+        raise ConfigError(f"workload {wname}: {exc}") from None
+    if s.users is not None and s.rate is not None:
+        raise ConfigError("give users (closed loop) or rate (open loop), not both")
+    trace_timing = wname == "trace" and s.users is None and s.rate is None
+    rate = arrival(s.rate, s.arrival) if s.rate is not None else None
+    users = s.users if s.users is not None else (None if rate or trace_timing else 8)
+    return Plan(s, topo, policy, profile, name, replicas, blocks, workload, rate, users, trace_timing,
+                s.information.effective())
