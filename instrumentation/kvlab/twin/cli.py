@@ -47,10 +47,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, help="replicas, 1-128 (default: the topology's)")
     p.add_argument("--profile", help="latency profile (default: the topology's sim profile)")
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the topology's / profile's)")
     p.add_argument("--workload", help="workload name (default: the topology's)")
     p.add_argument("--workload-params", help="JSON object of workload parameters")
     p.add_argument("--trace", help="Mooncake trace name or file: the trace workload at its own timing")
     p.add_argument("--requests", type=int, help="requests to send (default 1000)")
+    p.add_argument("--duration", dest="duration_s", type=float,
+                   help="also stop sending after this many virtual seconds (as a live phase)")
     p.add_argument("--users", type=int, help="closed-loop users (default 8 without --rate/--trace)")
     p.add_argument("--rate", type=float, help="open loop: requests/s")
     p.add_argument("--arrival", help="poisson | constant | gamma:CV (with --rate)")
@@ -68,7 +71,7 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     """The typed settings from --config and the flags (a ConfigError for anything wrong)."""
     data: dict[str, Any] = dict(read_yaml(args.config) or {}) if args.config else {}
     info: dict[str, Any] = dict(data.get("information") or {})
-    for key in ("topology", "replicas", "profile", "num_blocks", "workload", "trace", "requests", "users", "rate",
+    for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "workload", "trace", "requests", "duration_s", "users", "rate",
                 "arrival", "time_scale", "seed"):
         if (value := getattr(args, key)) is not None:
             data[key] = value

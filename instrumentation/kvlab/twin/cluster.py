@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.gateway.endpoints import Registry
@@ -44,7 +44,9 @@ class Flight:
     record: Record
     user: int | None
     last_ms: float = 0.0
-    gaps: list[float] = field(default_factory=list)
+    gap_sum: float = 0.0           # inter-token gaps: sum, count, worst
+    gap_n: int = 0
+    gap_max: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,7 +76,7 @@ class Cluster:
         self.precise = PreciseIndex(ttl, clock=lambda: self.now_ms / 1000.0)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         events = cfg.index.kind == "precise"
-        self.replicas = [Replica(i, plan.profile, plan.topology.sim, plan.num_blocks, events, plan.settings.seed)
+        self.replicas = [Replica(i, plan.profile, plan.sim, plan.num_blocks, events, plan.settings.seed)
                          for i in range(plan.replicas)]
         self.registry = Registry()
         self.registry.update([r.backend.endpoint for r in self.replicas])
@@ -84,43 +86,44 @@ class Cluster:
         self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg, _rng(plan)))
         self.book = PrefillBook()
         self.feed = feed or Feed(plan.workload)
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, object]] = []     # engine-side events
+        self._intake: list[tuple[float, int, int, object]] = []   # sends and submits
         self._seq = 0
         self._flights: dict[str, Flight] = {}
         self._pending_events: dict[str, list[Event]] = {}
         self._ids = 0
 
-    # ---- the event queue ----------------------------------------------------------------
+    # ---- the event queues -----------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: object) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, obj))
+        heapq.heappush(self._intake if kind <= SUBMIT else self._heap, (t, self._seq, kind, obj))
 
     def run(self, progress: Callable[[int], None] | None = None) -> Outcome:
         """Send the plan's requests, run until every one finished; `progress(n)` after each finishes."""
         plan = self.plan
-        total = plan.settings.requests
-        sessions = self.feed.sessions()
-        self._sessions = sessions
-        self._left = total            # requests still to send
+        self._sessions = self.feed.sessions()
+        self._left = plan.settings.requests            # requests still to send
+        self._until_ms = (plan.settings.duration_s or float("inf")) * 1000.0
         self._records: list[Record] = []
         self._progress = progress
         self._user_session: dict[int, list[Prompt]] = {}
+        self._times: Iterator[float] | None = None
         if plan.users is not None:
-            for u in range(min(plan.users, total)):
+            for u in range(min(plan.users, self._left)):
                 self._next_of_user(u, 0.0)
         else:
-            for t_s in self._schedule():
-                if self._left <= 0:
-                    break
-                session = next(sessions)
-                self._left -= 1
-                self._push(t_s * 1000.0, SEND, (session[0], None, session[1:]))
+            self._times = self._schedule()
+            self._next_arrival()
         if self.info.scrape_interval_ms > 0:
             self._push(0.0, SCRAPE, None)
-        heap = self._heap
+        heap, intake = self._heap, self._intake
         pop = heapq.heappop
-        while heap:
-            t, _, kind, obj = pop(heap)
+        while heap or intake:
+            # client-side events (sends, a request reaching its engine) and engine-side ones, in time order
+            if intake and (not heap or intake[0][0] < heap[0][0]):
+                t, _, kind, obj = pop(intake)
+            else:
+                t, _, kind, obj = pop(heap)
             self.now_ms = t
             if kind == STEP:
                 self._step_end(obj)  # type: ignore[arg-type]
@@ -134,11 +137,21 @@ class Cluster:
             elif kind == SCRAPE:
                 for r in self.replicas:
                     r.scrape()
-                if len(heap) > 0:
+                if heap or intake:
                     self._push(t + self.info.scrape_interval_ms, SCRAPE, None)
         return Outcome(self._records, self.now_ms / 1000.0, sum(r.steps for r in self.replicas),
                        [r.name for r in self.replicas], self.precise.total_blocks(), self.precise.confirmed,
                        self.precise.expired)
+
+    def _next_arrival(self) -> None:
+        """Open loop: queue the next session's send (one at a time: a trace's prompts are large)."""
+        assert self._times is not None
+        t_s = next(self._times, None)
+        if t_s is None or self._left <= 0 or t_s * 1000.0 >= self._until_ms:
+            return
+        session = next(self._sessions)
+        self._left -= 1
+        self._push(t_s * 1000.0, SEND, (session[0], None, session[1:]))
 
     def _schedule(self) -> Iterator[float]:
         """Open-loop send times in seconds: the trace's own (times time_scale) or the arrival process's."""
@@ -157,6 +170,8 @@ class Cluster:
     def _next_of_user(self, user: int, t_ms: float) -> None:
         """A closed-loop user sends its session's next request, or starts a new session."""
         rest = self._user_session.get(user)
+        if t_ms >= self._until_ms:
+            return
         if not rest:
             if self._left <= 0:
                 return
@@ -170,6 +185,8 @@ class Cluster:
     def _send(self, prompt: Prompt, user: int | None, rest: list[Prompt]) -> None:
         """The gateway receives a request: tokenize, route (the router's view as it is now), lease."""
         now = self.now_ms
+        if self._times is not None and prompt.step == 0:
+            self._next_arrival()
         if self.info.scrape_interval_ms <= 0:
             for r in self.replicas:
                 r.scrape()
@@ -177,7 +194,7 @@ class Cluster:
         routed = self.router.route(tokens)
         d = routed.decision
         if self.sent is not None:
-            self.sent.append(Blocks(len(tokens), routed.keys_by_size[self.plan.topology.sim.block_size]))
+            self.sent.append(Blocks(len(tokens), routed.keys_by_size[self.plan.sim.block_size]))
         backend = d.chosen.replica
         replica = self.replicas[int(backend.name.rsplit("-", 1)[1])]
         work = max(len(tokens) - d.chosen.prefix_tokens, 0)
@@ -207,30 +224,99 @@ class Cluster:
         replica = flight.replica
         replica.sched.add(flight.req)
         if not replica.busy:
-            self._push(self.now_ms + replica.start_step(), STEP, replica)
+            self._start(replica)
 
     # ---- the engines -----------------------------------------------------------------------
+    def _start(self, replica: Replica) -> None:
+        """An idle replica with work starts its next step (or a run of identical decode steps)."""
+        if not self._fast_forward(replica):
+            self._push(self.now_ms + replica.start_step(), STEP, replica)
+
+    def _fast_forward(self, replica: Replica) -> bool:
+        """Run k pure-decode steps at once when nothing can change them: no request waiting, every
+        running one decoding, no request reaching this replica before the k-th ends, none
+        finishing before it, and free blocks for all. Each step is what `Scheduler.schedule` and
+        `complete` would make of it (same duration, same blocks, tokens and cached keys); only the
+        blocks' KV events of the run are published at its start rather than step by step."""
+        sched, pool = replica.sched, replica.pool
+        running = sched.running
+        if sched.waiting or not running or pool.tier is not None or pool.typed is not None:
+            return False
+        for req in running:
+            if req.num_output == 0 or req.num_computed != req.num_tokens - 1:
+                return False
+        dur = replica.profile.step_ms(0, len(running)) * replica.scale
+        k = min(req.max_tokens - req.num_output for req in running)
+        if self._intake:
+            k = min(k, int((self._intake[0][0] - self.now_ms) / dur))
+        if k < 2:
+            return False
+        bs = pool.block_size
+        need = sum(-(-(req.num_computed + k) // bs) - len(req.blocks) for req in running)
+        if need > pool.num_free:
+            return False
+        now, end = self.now_ms, self.now_ms + k * dur
+        finished = []
+        flights = self._flights
+        for req in list(running):
+            grow = -(-(req.num_computed + k) // bs) - len(req.blocks)
+            if grow > 0:
+                new = pool.allocate(grow)
+                assert new is not None   # checked above
+                req.blocks.extend(new)
+            before = req.num_computed // bs
+            req.num_computed += k
+            req.num_output += k
+            req.num_tokens += k
+            after = req.num_computed // bs
+            if after > before:
+                sched._cache_blocks(req, before, after)
+            f = flights[req.id]
+            f.gap_sum += k * dur
+            f.gap_n += k
+            f.gap_max = max(f.gap_max, dur)
+            f.last_ms = end
+            if req.num_output >= req.max_tokens:
+                sched.finish(req, "length")
+                finished.append(f)
+        replica.busy = True
+        replica.batch = None
+        replica.done = finished
+        replica.steps += k
+        if replica.events:
+            self._publish(replica)
+        self._push(end, STEP, replica)
+        return True
+
     def _step_end(self, replica: Replica) -> None:
         now = self.now_ms
         batch = replica.batch
-        assert batch is not None
         replica.busy = False
         replica.batch = None
-        flights = self._flights
-        for req in replica.sched.complete(batch):
-            f = flights[req.id]
-            if req.num_output == 1:
-                f.record.ttft_ms = now - f.sent_ms
-                self.book.first_token(f.prefill, now / 1000.0)
-            else:
-                f.gaps.append(now - f.last_ms)
-            f.last_ms = now
-            if req.status == FINISHED:
+        if batch is None:   # the end of a fast-forwarded run
+            done, replica.done = replica.done, []
+            for f in done:
                 self._finish(f)
-        if replica.events:
-            self._publish(replica)
-        if replica.sched.has_work():
-            self._push(now + replica.start_step(), STEP, replica)
+        else:
+            flights = self._flights
+            for req in replica.sched.complete(batch):
+                f = flights[req.id]
+                if req.num_output == 1:
+                    f.record.ttft_ms = now - f.sent_ms
+                    self.book.first_token(f.prefill, now / 1000.0)
+                else:
+                    gap = now - f.last_ms
+                    f.gap_sum += gap
+                    f.gap_n += 1
+                    if gap > f.gap_max:
+                        f.gap_max = gap
+                f.last_ms = now
+                if req.status == FINISHED:
+                    self._finish(f)
+            if replica.events:
+                self._publish(replica)
+        if replica.sched.has_work() and not replica.busy:
+            self._start(replica)
 
     def _publish(self, replica: Replica) -> None:
         events = replica.pool.take_events()
@@ -264,9 +350,9 @@ class Cluster:
         rec.e2e_ms = now - f.sent_ms
         rec.output_tokens = f.req.num_output
         rec.cached_tokens = f.req.num_cached or 0
-        if f.gaps:
-            rec.itl_ms = sum(f.gaps) / len(f.gaps)
-            rec.itl_max_ms = max(f.gaps)
+        if f.gap_n:
+            rec.itl_ms = f.gap_sum / f.gap_n
+            rec.itl_max_ms = f.gap_max
             assert rec.ttft_ms is not None
             rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
         self._records.append(rec)

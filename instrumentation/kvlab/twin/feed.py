@@ -2,10 +2,11 @@
 
 A shipped workload's chat messages go through the gateway's own `PromptTokenizer` (the same ids
 the live gateway routes on and the simulator computes). A Mooncake trace is different in size
-(10,000 requests of ~12,000 tokens): its prompts are assembled from per-block token ids, each
-block's words tokenized once (`Trace.block`, seeded by its hash id), inside the chat template's
-head and tail. Token counts and the prefix structure are the trace's; only ids at block seams can
-differ from tokenizing the joined text.
+(10,000 requests of ~12,000 tokens, too many to make and tokenize as text): its prompts are
+assembled from per-block token ids inside the chat template's head and tail, each block a window
+(at an offset given by its hash id) of a seeded pool of the single-token words' ids the trace
+workload builds its text from. Token counts and the prefix structure are the trace's; the ids are not those of the live
+run's text (they need not be: only which prompts share which blocks matters to a cache).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.load.workloads import Workload
-from kvlab.load.workloads.trace import Trace, TraceRow
+from kvlab.load.workloads.trace import Trace, TraceRow, _single_token_words
 
 _MARK = "\x00twin\x00"
+_POOL = 1 << 20   # random word ids trace blocks are windows of
 
 
 @dataclass(slots=True)
@@ -39,7 +43,7 @@ class Feed:
     def __init__(self, workload: Workload[Any], tokenizer: PromptTokenizer | None = None) -> None:
         self.workload = workload
         self.tok = tokenizer or PromptTokenizer()
-        self._blocks: dict[tuple[int, int], list[int]] = {}
+        self._pool: list[int] = []
         head, _, tail = self.tok.tok.render_chat([{"role": "user", "content": _MARK}]).partition(_MARK)
         self._head = self.tok.encode_text(head, False)[0]
         self._tail = self.tok.encode_text(tail, False)[0]
@@ -64,16 +68,19 @@ class Feed:
 
     def _trace_tokens(self, trace: Trace, row: TraceRow, round_: int) -> list[int]:
         size = trace.block_tokens
+        if not self._pool:
+            ids = np.asarray(sorted({self.tok.tok.encode(" " + w)[0] for w in _single_token_words()}))
+            rng = np.random.default_rng(trace.seed)
+            self._pool = ids[rng.integers(0, len(ids), _POOL + size)].tolist()
         tokens = min(max(1, round(row.input_length * trace.params.token_scale)), size * len(row.hash_ids))
         out = list(self._head)
-        for i, h in enumerate(row.hash_ids):
+        for h in row.hash_ids:
             if len(out) - len(self._head) >= tokens:
                 break
-            ids = self._blocks.get((h, round_))
-            if ids is None:
-                text = " ".join(trace.block(h, round_))
-                ids = self._blocks[(h, round_)] = self.tok.tok.encode(text if i == 0 else " " + text)[:size]
-            out.extend(ids)
+            # a window of a seeded pool of random word ids, at an offset fixed by the block's id: the
+            # same id gives the same ids, two ids differ (a cache of every block would hold gigabytes)
+            at = hash((trace.seed, round_, h)) % (len(self._pool) - size)
+            out.extend(self._pool[at:at + size])
         del out[len(self._head) + tokens:]
         out.extend(self._tail)
         return out

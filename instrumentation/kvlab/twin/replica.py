@@ -3,6 +3,8 @@ view of it (`Backend`), stepped by the cluster's event loop instead of an asynci
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.profile import LatencyProfile
@@ -14,7 +16,7 @@ from kvlab.topology import SimSettings
 class Replica:
     """Engine state of one replica; `step_ms` is the live engine's step-time model."""
 
-    __slots__ = ("backend", "batch", "busy", "events", "name", "pool", "profile", "sched", "scale", "steps")
+    __slots__ = ("backend", "batch", "busy", "done", "events", "name", "pool", "profile", "sched", "scale", "steps")
 
     def __init__(self, index: int, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
                  seed: int) -> None:
@@ -33,6 +35,7 @@ class Replica:
         self.events = events              # KV events published (a precise-index policy)
         self.busy = False
         self.batch: Batch | None = None
+        self.done: list[Any] = []          # flights a fast-forwarded decode run finishes (cluster.py)
         self.steps = 0
 
     def start_step(self) -> float:

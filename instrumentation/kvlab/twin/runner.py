@@ -68,5 +68,5 @@ def run(plan: Plan, oracle: bool = True, feed: Feed | None = None,
     summary.min_requests = s.requests
     ceil = None
     if cluster.sent is not None:
-        ceil = ceiling(cluster.sent, plan.topology.sim.block_size, plan.replicas * plan.num_blocks)
+        ceil = ceiling(cluster.sent, plan.sim.block_size, plan.replicas * plan.num_blocks)
     return TwinResult(plan, summary, records, outcome, ceil, wall)

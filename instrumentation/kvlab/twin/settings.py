@@ -20,7 +20,7 @@ from kvlab.errors import ConfigError
 from kvlab.gateway.config import PolicyConfig, load_policy
 from kvlab.load.arrival import Arrival, arrival
 from kvlab.load.workloads import Workload, create
-from kvlab.topology import Topology, builtin, load_topology
+from kvlab.topology import SimSettings, Topology, builtin, load_topology
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 MAX_REPLICAS = 128
@@ -64,10 +64,13 @@ class TwinSettings(Strict, frozen=True):
     replicas: int | None = None           # None: the topology's replicas
     profile: str | None = None            # None: the topology's sim profile
     num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
+    block_size: int | None = None         # tokens per KV block; None: the topology's / profile's
     workload: str | None = None           # None: the topology's workload
     workload_params: dict[str, Any] = {}
     trace: str | None = None              # a Mooncake trace (name or path): the trace workload
     requests: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    # also stop sending after this many (virtual) seconds, as a live phase's run time does
+    duration_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     users: Annotated[int, msgspec.Meta(ge=1)] | None = None    # closed loop (default without rate/trace: 8)
     rate: Annotated[float, msgspec.Meta(gt=0)] | None = None   # open loop, requests/s
     arrival: str = "poisson"              # poisson | constant | gamma:CV (with rate)
@@ -85,6 +88,7 @@ class Plan:
     policy: PolicyConfig
     profile: LatencyProfile
     profile_name: str
+    sim: SimSettings                      # engine sizes: the topology's, or the profile's when it was named
     replicas: int
     num_blocks: int
     workload: Workload[Any]
@@ -106,7 +110,19 @@ def resolve(s: TwinSettings) -> Plan:
     policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
     name = s.profile or topo.sim.profile
     profile = get_profile(name)
-    blocks = s.num_blocks or topo.sim.num_blocks or profile.num_blocks
+    sim = topo.sim
+    if s.profile is not None and s.profile != topo.sim.profile:   # another engine: its own sizes
+        sim = msgspec.structs.replace(sim, profile=name, block_size=profile.block_size, num_blocks=None,
+                                      max_num_seqs=profile.max_num_seqs,
+                                      max_num_batched_tokens=profile.max_num_batched_tokens,
+                                      max_model_len=profile.max_model_len, time_scale=1.0)
+    if s.block_size is not None:
+        if s.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1 (got {s.block_size})")
+        # the same KV memory in blocks of another size
+        tokens = (sim.num_blocks or profile.num_blocks) * sim.block_size
+        sim = msgspec.structs.replace(sim, block_size=s.block_size, num_blocks=max(1, tokens // s.block_size))
+    blocks = s.num_blocks or sim.num_blocks or profile.num_blocks
     if blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1 (got {blocks})")
     if s.trace is not None:
@@ -123,5 +139,5 @@ def resolve(s: TwinSettings) -> Plan:
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
     users = s.users if s.users is not None else (None if rate or trace_timing else 8)
-    return Plan(s, topo, policy, profile, name, replicas, blocks, workload, rate, users, trace_timing,
+    return Plan(s, topo, policy, profile, name, sim, replicas, blocks, workload, rate, users, trace_timing,
                 s.information.effective())

@@ -87,9 +87,12 @@ class Request:
         return self.prompt[i] if i < self.num_prompt else self.output[i - self.num_prompt]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        if end <= self.num_prompt:
+        n = self.num_prompt
+        if end <= n:
             return self.prompt[start:end]
-        return (self.prompt + self.output)[start:end]
+        if start >= n:   # an output block: no copy of the whole prompt
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
 
 
 @dataclass(slots=True)
