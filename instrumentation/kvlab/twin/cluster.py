@@ -27,7 +27,7 @@ from kvlab.twin.feed import Feed, Prompt
 from kvlab.twin.replica import Replica
 from kvlab.twin.settings import Plan
 
-SEND, SUBMIT, STEP, EVENTS, SCRAPE = 0, 1, 2, 3, 4
+SEND, SUBMIT, STEP, EVENTS, SCRAPE, CRUISE = 0, 1, 2, 3, 4, 5
 _OUTPUT_TOKEN = 1000   # the id every simulated output token has (its value never matters here)
 
 
@@ -91,6 +91,7 @@ class Cluster:
         self._seq = 0
         self._flights: dict[str, Flight] = {}
         self._pending_events: dict[str, list[Event]] = {}
+        self._cruising: set[Replica] = set()
         self._ids = 0
 
     # ---- the event queues -----------------------------------------------------------------
@@ -105,6 +106,7 @@ class Cluster:
         self._left = plan.settings.requests            # requests still to send
         self._until_ms = (plan.settings.duration_s or float("inf")) * 1000.0
         self._records: list[Record] = []
+        self._end_ms = 0.0            # the last request's end
         self._progress = progress
         self._user_session: dict[int, list[Prompt]] = {}
         self._times: Iterator[float] | None = None
@@ -131,15 +133,18 @@ class Cluster:
                 self._send(*obj)  # type: ignore[misc]
             elif kind == SUBMIT:
                 self._submit(obj)  # type: ignore[arg-type]
+            elif kind == CRUISE:
+                self._cruise_end(*obj)  # type: ignore[misc]
             elif kind == EVENTS:
                 name, batch = obj  # type: ignore[misc]
                 self.precise.apply(name, self._pending_events.pop(name, []) if batch is None else batch)
             elif kind == SCRAPE:
+                self._settle_all()
                 for r in self.replicas:
                     r.scrape()
-                if heap or intake:
+                if intake or self._flights:   # requests still to come or in flight
                     self._push(t + self.info.scrape_interval_ms, SCRAPE, None)
-        return Outcome(self._records, self.now_ms / 1000.0, sum(r.steps for r in self.replicas),
+        return Outcome(self._records, self._end_ms / 1000.0, sum(r.steps for r in self.replicas),
                        [r.name for r in self.replicas], self.precise.total_blocks(), self.precise.confirmed,
                        self.precise.expired)
 
@@ -187,7 +192,8 @@ class Cluster:
         now = self.now_ms
         if self._times is not None and prompt.step == 0:
             self._next_arrival()
-        if self.info.scrape_interval_ms <= 0:
+        if self.info.scrape_interval_ms <= 0:   # the router reads every replica's state as it is now
+            self._settle_all()
             for r in self.replicas:
                 r.scrape()
         tokens = prompt.tokens
@@ -220,24 +226,28 @@ class Cluster:
             flight.user = -self._ids
         self._push(now + delay, SUBMIT, flight)
 
+    def _settle_all(self) -> None:
+        for r in list(self._cruising):
+            self._settle(r)
+
     def _submit(self, flight: Flight) -> None:
         replica = flight.replica
+        self._settle(replica)
         replica.sched.add(flight.req)
         if not replica.busy:
             self._start(replica)
 
     # ---- the engines -----------------------------------------------------------------------
     def _start(self, replica: Replica) -> None:
-        """An idle replica with work starts its next step (or a run of identical decode steps)."""
-        if not self._fast_forward(replica):
+        """An idle replica with work starts its next step (or a cruise of identical decode steps)."""
+        if not self._cruise(replica):
             self._push(self.now_ms + replica.start_step(), STEP, replica)
 
-    def _fast_forward(self, replica: Replica) -> bool:
-        """Run k pure-decode steps at once when nothing can change them: no request waiting, every
-        running one decoding, no request reaching this replica before the k-th ends, none
-        finishing before it, and free blocks for all. Each step is what `Scheduler.schedule` and
-        `complete` would make of it (same duration, same blocks, tokens and cached keys); only the
-        blocks' KV events of the run are published at its start rather than step by step."""
+    def _cruise(self, replica: Replica) -> bool:
+        """Start up to k identical pure-decode steps as one event, when no request waits and every
+        running one decodes (k: until the first of them finishes, with free blocks for all).
+        Nothing is applied yet: whatever could change or read the replica's state first (a request
+        reaching it, a send, a scrape) settles the cruise at the step in progress (`_settle`)."""
         sched, pool = replica.sched, replica.pool
         running = sched.running
         if sched.waiting or not running or pool.tier is not None or pool.typed is not None:
@@ -245,76 +255,101 @@ class Cluster:
         for req in running:
             if req.num_output == 0 or req.num_computed != req.num_tokens - 1:
                 return False
-        dur = replica.profile.step_ms(0, len(running)) * replica.scale
         k = min(req.max_tokens - req.num_output for req in running)
-        if self._intake:
-            k = min(k, int((self._intake[0][0] - self.now_ms) / dur))
         if k < 2:
             return False
         bs = pool.block_size
-        need = sum(-(-(req.num_computed + k) // bs) - len(req.blocks) for req in running)
-        if need > pool.num_free:
+        if sum(-(-(req.num_computed + k) // bs) - len(req.blocks) for req in running) > pool.num_free:
             return False
-        now, end = self.now_ms, self.now_ms + k * dur
-        finished = []
+        dur = replica.profile.step_ms(0, len(running)) * replica.scale
+        replica.cruise = (self.now_ms, dur, k)
+        replica.busy = True
+        replica.batch = None
+        self._cruising.add(replica)
+        replica.gen += 1
+        self._push(self.now_ms + k * dur, CRUISE, (replica, replica.gen))
+        return True
+
+    def _settle(self, replica: Replica) -> None:
+        """Apply a cruise's steps up to the one in progress now; it ends with that step."""
+        cruise = replica.cruise
+        if cruise is None:
+            return
+        t0, dur, k = cruise
+        j = min(k, int((self.now_ms - t0) / dur) + 1)
+        self._advance(replica, j, dur, t0 + j * dur)
+        replica.gen += 1   # the cruise's end event is stale now: it ends with this step
+        self._push(t0 + j * dur, CRUISE, (replica, replica.gen))
+
+    def _advance(self, replica: Replica, j: int, dur: float, end: float) -> None:
+        """What `Scheduler.schedule` and `complete` make of j pure-decode steps, at once: blocks
+        allocated, tokens counted, full blocks cached (their KV events published now)."""
+        replica.cruise = None
+        self._cruising.discard(replica)
+        sched, pool = replica.sched, replica.pool
+        bs = pool.block_size
         flights = self._flights
-        for req in list(running):
-            grow = -(-(req.num_computed + k) // bs) - len(req.blocks)
+        for req in sched.running:
+            grow = -(-(req.num_computed + j) // bs) - len(req.blocks)
             if grow > 0:
                 new = pool.allocate(grow)
-                assert new is not None   # checked above
+                assert new is not None   # checked when the cruise started
                 req.blocks.extend(new)
             before = req.num_computed // bs
-            req.num_computed += k
-            req.num_output += k
-            req.num_tokens += k
+            req.num_computed += j
+            req.num_output += j
+            req.num_tokens += j
             after = req.num_computed // bs
             if after > before:
                 sched._cache_blocks(req, before, after)
             f = flights[req.id]
-            f.gap_sum += k * dur
-            f.gap_n += k
+            f.gap_sum += j * dur
+            f.gap_n += j
             f.gap_max = max(f.gap_max, dur)
             f.last_ms = end
             if req.num_output >= req.max_tokens:
-                sched.finish(req, "length")
-                finished.append(f)
-        replica.busy = True
-        replica.batch = None
-        replica.done = finished
-        replica.steps += k
+                replica.done.append(f)   # finished by the last step: ends with it
+        replica.steps += j
         if replica.events:
             self._publish(replica)
-        self._push(end, STEP, replica)
-        return True
+
+    def _cruise_end(self, replica: Replica, gen: int) -> None:
+        if gen != replica.gen:   # the end of a cruise cut short since: its own end event follows
+            return
+        if replica.cruise is not None:
+            t0, dur, k = replica.cruise
+            self._advance(replica, k, dur, self.now_ms)
+        replica.busy = False
+        done, replica.done = replica.done, []
+        for f in done:
+            replica.sched.finish(f.req, "length")
+            self._finish(f)
+        if replica.sched.has_work():
+            self._start(replica)
 
     def _step_end(self, replica: Replica) -> None:
         now = self.now_ms
         batch = replica.batch
+        assert batch is not None   # the step in progress
         replica.busy = False
         replica.batch = None
-        if batch is None:   # the end of a fast-forwarded run
-            done, replica.done = replica.done, []
-            for f in done:
+        flights = self._flights
+        for req in replica.sched.complete(batch):
+            f = flights[req.id]
+            if req.num_output == 1:
+                f.record.ttft_ms = now - f.sent_ms
+                self.book.first_token(f.prefill, now / 1000.0)
+            else:
+                gap = now - f.last_ms
+                f.gap_sum += gap
+                f.gap_n += 1
+                if gap > f.gap_max:
+                    f.gap_max = gap
+            f.last_ms = now
+            if req.status == FINISHED:
                 self._finish(f)
-        else:
-            flights = self._flights
-            for req in replica.sched.complete(batch):
-                f = flights[req.id]
-                if req.num_output == 1:
-                    f.record.ttft_ms = now - f.sent_ms
-                    self.book.first_token(f.prefill, now / 1000.0)
-                else:
-                    gap = now - f.last_ms
-                    f.gap_sum += gap
-                    f.gap_n += 1
-                    if gap > f.gap_max:
-                        f.gap_max = gap
-                f.last_ms = now
-                if req.status == FINISHED:
-                    self._finish(f)
-            if replica.events:
-                self._publish(replica)
+        if replica.events:
+            self._publish(replica)
         if replica.sched.has_work() and not replica.busy:
             self._start(replica)
 
@@ -348,6 +383,7 @@ class Cluster:
         self.book.finish(f.prefill)
         rec = f.record
         rec.e2e_ms = now - f.sent_ms
+        self._end_ms = now
         rec.output_tokens = f.req.num_output
         rec.cached_tokens = f.req.num_cached or 0
         if f.gap_n:

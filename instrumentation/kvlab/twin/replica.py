@@ -16,7 +16,7 @@ from kvlab.topology import SimSettings
 class Replica:
     """Engine state of one replica; `step_ms` is the live engine's step-time model."""
 
-    __slots__ = ("backend", "batch", "busy", "done", "events", "name", "pool", "profile", "sched", "scale", "steps")
+    __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "name", "pool", "profile", "sched", "scale", "steps")
 
     def __init__(self, index: int, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
                  seed: int) -> None:
@@ -35,6 +35,8 @@ class Replica:
         self.events = events              # KV events published (a precise-index policy)
         self.busy = False
         self.batch: Batch | None = None
+        self.cruise: tuple[float, float, int] | None = None   # (start ms, step ms, steps) of a decode cruise
+        self.gen = 0                       # which cruise end event is current
         self.done: list[Any] = []          # flights a fast-forwarded decode run finishes (cluster.py)
         self.steps = 0
 
