@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from kvlab.compare.results import table
 from kvlab.config import convert, read_yaml
@@ -71,8 +71,8 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     """The typed settings from --config and the flags (a ConfigError for anything wrong)."""
     data: dict[str, Any] = dict(read_yaml(args.config) or {}) if args.config else {}
     info: dict[str, Any] = dict(data.get("information") or {})
-    for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "workload", "trace", "requests", "duration_s", "users", "rate",
-                "arrival", "time_scale", "seed"):
+    for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "workload", "trace", "requests",
+                "duration_s", "users", "rate", "arrival", "time_scale", "seed"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
     if args.workload_params is not None:
@@ -132,8 +132,12 @@ def main(argv: list[str]) -> int:
                   console=console, transient=True) as bar:
         for plan in todo:
             task = bar.add_task(plan.policy.name, total=plan.settings.requests)
-            results.append(run(plan, oracle=not args.no_oracle,
-                               progress=lambda n, t=task: bar.update(t, completed=n) if n % 100 == 0 else None))
+
+            def advance(n: int, task: TaskID = task) -> None:
+                if n % 100 == 0:
+                    bar.update(task, completed=n)
+
+            results.append(run(plan, oracle=not args.no_oracle, progress=advance))
     from kvlab.stack.state import new_run_dir, set_latest
 
     run_dir = Path(args.out) if args.out else new_run_dir("twin")

@@ -13,6 +13,7 @@ import heapq
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.gateway.endpoints import Registry
@@ -136,8 +137,8 @@ class Cluster:
             elif kind == CRUISE:
                 self._cruise_end(*obj)  # type: ignore[misc]
             elif kind == EVENTS:
-                name, batch = obj  # type: ignore[misc]
-                self.precise.apply(name, self._pending_events.pop(name, []) if batch is None else batch)
+                name, events = cast(tuple[str, list[Event] | None], obj)
+                self.precise.apply(name, self._pending_events.pop(name, []) if events is None else events)
             elif kind == SCRAPE:
                 self._settle_all()
                 for r in self.replicas:
@@ -317,7 +318,7 @@ class Cluster:
         if gen != replica.gen:   # the end of a cruise cut short since: its own end event follows
             return
         if replica.cruise is not None:
-            t0, dur, k = replica.cruise
+            _, dur, k = replica.cruise
             self._advance(replica, k, dur, self.now_ms)
         replica.busy = False
         done, replica.done = replica.done, []
@@ -343,8 +344,7 @@ class Cluster:
                 gap = now - f.last_ms
                 f.gap_sum += gap
                 f.gap_n += 1
-                if gap > f.gap_max:
-                    f.gap_max = gap
+                f.gap_max = max(f.gap_max, gap)
             f.last_ms = now
             if req.status == FINISHED:
                 self._finish(f)

@@ -16,7 +16,8 @@ from kvlab.topology import SimSettings
 class Replica:
     """Engine state of one replica; `step_ms` is the live engine's step-time model."""
 
-    __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "name", "pool", "profile", "sched", "scale", "steps")
+    __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "name", "pool", "profile", "scale",
+                 "sched", "steps")
 
     def __init__(self, index: int, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
                  seed: int) -> None:

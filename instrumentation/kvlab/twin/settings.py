@@ -40,11 +40,12 @@ class Information(Strict, frozen=True):
     scrape_interval_ms: NonNegative = 200.0
     # speculative blocks' TTL; None: the policy's own `index.speculative_ttl_s` (30 s); 0: off
     speculative_ttl_s: NonNegative | None = None
-    # gateway tokenization before routing, per 1,000 prompt tokens (HF fast tokenizer, uncached
-    # text; kvlab's piece cache makes a shared system prompt nearly free, so this is an upper bound)
-    tokenize_ms_per_1k: NonNegative = 0.5
-    # fixed cost between a client's send and the engine queue (HTTP, routing, proxying), ms
-    request_overhead_ms: NonNegative = 2.0
+    # gateway tokenization before routing, per 1,000 prompt tokens: 0.41 ms p50 for an 8k-token
+    # prompt with its document cached (docs/benchmarks.md, "Tokenization")
+    tokenize_ms_per_1k: NonNegative = 0.05
+    # fixed cost between a client's send and the engine queue: the gateway's added latency, 0.71 ms
+    # p50 (docs/benchmarks.md, "What does the gateway cost?"), plus loopback hops
+    request_overhead_ms: NonNegative = 1.0
     perfect: bool = False   # every lag above off: events instant, load view fresh, no tokenize cost
 
     def effective(self) -> Information:
@@ -66,7 +67,7 @@ class TwinSettings(Strict, frozen=True):
     num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
     block_size: int | None = None         # tokens per KV block; None: the topology's / profile's
     workload: str | None = None           # None: the topology's workload
-    workload_params: dict[str, Any] = {}
+    workload_params: dict[str, Any] = msgspec.field(default_factory=dict)
     trace: str | None = None              # a Mooncake trace (name or path): the trace workload
     requests: Annotated[int, msgspec.Meta(ge=1)] = 1000
     # also stop sending after this many (virtual) seconds, as a live phase's run time does
