@@ -10,6 +10,7 @@ run of an hour of traffic takes as long as its Python work.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -165,8 +166,12 @@ class Cluster:
         if plan.trace_timing:
             from kvlab.load.workloads.trace import Trace
             assert isinstance(plan.workload, Trace)
-            yield from plan.workload.offsets(plan.settings.time_scale)
-            return
+            # past its last row the trace starts again (as the workload's sessions do), one mean gap later
+            offsets = list(plan.workload.offsets(plan.settings.time_scale))
+            period = offsets[-1] + (offsets[-1] / max(len(offsets) - 1, 1) if len(offsets) > 1 else 1.0)
+            for n in itertools.count():
+                for t in offsets:
+                    yield n * period + t
         assert plan.arrival is not None
         t = 0.0
         for gap in plan.arrival.gaps(plan.settings.seed):
