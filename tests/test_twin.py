@@ -146,3 +146,22 @@ def test_every_policy_is_checked_before_the_first_runs():
     checked = plans(SMALL, ["round-robin", "kv-aware"])
     assert [p.policy.name for p in checked] == ["round-robin", "kv-aware"]
     assert checked[0].workload is checked[1].workload   # texts made once for every policy
+
+
+def test_a_calibrated_profile_and_a_config_file_drive_the_twin(tmp_path, monkeypatch):
+    from kvlab.engine.sim.profile import get_profile, write_user_profile
+
+    monkeypatch.setenv("KVLAB_HOME", str(tmp_path / "home"))
+    slow = msgspec.structs.replace(get_profile("cpu-tiny"), prefill_ms_per_token=2.0)
+    write_user_profile("local", slow)    # what `kvlab calibrate` writes
+    config = tmp_path / "twin.yaml"
+    config.write_text("topology: quickstart\nprofile: local\nreplicas: 2\nrequests: 30\nusers: 4\n"
+                      "workload: shared-prefix\nworkload_params: {groups: 4, system_tokens: 300}\n"
+                      "information: {scrape_interval_ms: 50}\n")
+    out = tmp_path / "run"
+    assert cli.main(["--config", str(config), "--policy", "round-robin", "--out", str(out)]) == 0
+    doc = json.loads((out / "twin.json").read_text())
+    assert doc["profile"] == "local" and doc["information"]["scrape_interval_ms"] == 50
+    assert doc["settings"]["replicas"] == 2 and read_summary(out / "round-robin" / "summary.json").ok == 30
+    config.write_text("replicas: 2\nscrape: 50\n")
+    assert cli.main(["--config", str(config), "--out", str(out / "again")]) == 2   # a typo is an error
