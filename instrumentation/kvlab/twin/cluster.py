@@ -93,7 +93,7 @@ class Cluster:
         self._seq = 0
         self._flights: dict[str, Flight] = {}
         self._pending_events: dict[str, list[Event]] = {}
-        self._cruising: set[Replica] = set()
+        self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
         self._ids = 0
 
     # ---- the event queues -----------------------------------------------------------------
@@ -271,7 +271,7 @@ class Cluster:
         replica.cruise = (self.now_ms, dur, k)
         replica.busy = True
         replica.batch = None
-        self._cruising.add(replica)
+        self._cruising[replica] = None
         replica.gen += 1
         self._push(self.now_ms + k * dur, CRUISE, (replica, replica.gen))
         return True
@@ -291,7 +291,7 @@ class Cluster:
         """What `Scheduler.schedule` and `complete` make of j pure-decode steps, at once: blocks
         allocated, tokens counted, full blocks cached (their KV events published now)."""
         replica.cruise = None
-        self._cruising.discard(replica)
+        self._cruising.pop(replica, None)
         sched, pool = replica.sched, replica.pool
         bs = pool.block_size
         flights = self._flights
