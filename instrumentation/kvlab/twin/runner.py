@@ -65,7 +65,7 @@ def run(plan: Plan, oracle: bool = True, feed: Feed | None = None,
     summary.seed = s.seed
     summary.workload = plan.workload.name
     summary.workload_params = msgspec.to_builtins(plan.workload.params)
-    summary.min_requests = s.requests
+    summary.configured_duration_s = s.duration_s
     ceil = None
     if cluster.sent is not None:
         ceil = ceiling(cluster.sent, plan.sim.block_size, plan.replicas * plan.num_blocks)
