@@ -211,7 +211,7 @@ def test_the_relay_republishes_unix_socket_kv_events_on_loopback_tcp(tmp_path):
 
     import zmq
 
-    from kvlab.compare.relay import Relay
+    from kvlab.compare.tcp_events import Relay
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)

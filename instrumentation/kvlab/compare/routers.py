@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.relay import Relay
 from kvlab.compare.results import KV_PREFIX, metric_counters
+from kvlab.compare.tcp_events import Relay
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok

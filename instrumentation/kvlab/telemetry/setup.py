@@ -34,8 +34,8 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from kvlab.telemetry.recorder import RecorderProvider
-from kvlab.telemetry.relay import SpanRelay
 from kvlab.telemetry.sampling import sampler_from_env
+from kvlab.telemetry.span_export import SpanRelay
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
     `OTEL_RESOURCE_ATTRIBUTES` override. `extra` adds a span processor (tests pass an in-memory
     exporter's processor; the stack process its own OTLP exporter). `export_process` is what
     servers use: spans are recorded by `kvlab.telemetry.recorder` (the API without the SDK's span
-    bookkeeping) and exported by a child process (`kvlab.telemetry.relay`), so that neither
+    bookkeeping) and exported by a child process (`kvlab.telemetry.span_export`), so that neither
     recording nor encoding spans competes with the event loop for the GIL.
     `KVLAB_TRACES_EXPORT_PROCESS` overrides it: `0` the SDK's spans and in-process
     BatchSpanProcessor, `1` recorder + relay, `sdk` the SDK's spans through the relay. An `extra`
