@@ -350,8 +350,8 @@ class Gateway:
             ex.ask_usage()
             if ex.chunk_tokens:   # chunked decoding replaces P/D and retries for this request
                 return await self._chunked(request, ex)
-            name = await self.pd.run(ex)
-            return await self._serve(request, ex, name)
+            prefilled = await self.pd.run(ex)
+            return await self._serve(request, ex, names.SPAN_DECODE_CALL if prefilled else names.SPAN_UPSTREAM)
 
     async def _serve(self, request: web.Request, ex: Exchange, name: str) -> web.StreamResponse:
         """Call the ranked replicas and relay the answer; a replica that fails mid-way is replaced by
