@@ -33,15 +33,14 @@ from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
 from kvlab.run.outcome import comparison, finish, read_phases
 from kvlab.run.phases import Phase, RichDisplay, run_phases
+from kvlab.run.presets import LAB, LAB_QUICK, Preset
 from kvlab.stack.cli import resolve_topology
 from kvlab.stack.state import new_run_dir, set_latest
 from kvlab.topology import Topology, load_topology
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
-FULL = {"duration": 60.0, "users": 12}
-QUICK = {"duration": 25.0, "users": 8}
 MIN_REQUESTS = 30   # a phase runs until its duration *and* this many completed requests (or its limit)
-__all__ = ["QUICK", "comparison", "main", "parser", "run_lab", "workload_params"]
+__all__ = ["comparison", "main", "parser", "run_lab", "workload_params"]
 
 DEFAULT_TOPOLOGY = {"sim": "quickstart", "vllm": "vllm"}   # by --engine, when no --topology is given
 
@@ -55,9 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=NAMES, help="default: the topology's `workload:` (shared-prefix)")
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters")
     p.add_argument("--duration", type=float,
-                   help=f"seconds per phase (default {FULL['duration']:.0f}, quick {QUICK['duration']:.0f})")
+                   help=f"seconds per phase (default {LAB.duration_s:.0f}, quick {LAB_QUICK.duration_s:.0f})")
     p.add_argument("--users", type=int,
-                   help=f"concurrent Locust users (default {FULL['users']}, quick {QUICK['users']})")
+                   help=f"concurrent Locust users (default {LAB.users}, quick {LAB_QUICK.users})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated routers, one phase each: gateway presets or peers such as "
@@ -95,15 +94,15 @@ def workload_params(topology: Topology, workload: str, given: dict[str, Any]) ->
     return {**sized, **given}
 
 
-def bench_spec(args: argparse.Namespace, topology: Topology, preset: dict[str, float]) -> BenchSpec:
+def bench_spec(args: argparse.Namespace, topology: Topology, preset: Preset) -> BenchSpec:
     """The bench spec of `kvlab lab ARGS` (parsed once here; the workload's parameters validated now)."""
     traced = options.trace_workload(args) if getattr(args, "trace", None) else None
     name, params = traced or (args.workload or topology.workload.name, {})
     if traced is None:
         params = workload_params(topology, name, json.loads(args.workload_params))
         create(name, seed=args.seed, params=params)
-    return BenchSpec(workload=name, params=params, users=args.users or int(preset["users"]),
-                     duration_s=args.duration or preset["duration"], seed=args.seed, model=topology.model,
+    return BenchSpec(workload=name, params=params, users=args.users or preset.users,
+                     duration_s=args.duration or preset.duration_s, seed=args.seed, model=topology.model,
                      min_requests=args.min_requests, limit_s=args.phase_limit,
                      trace_sample_ratio=topology.observability.sample_ratio)
 
@@ -141,7 +140,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
                              "do not apply (deploy another --topology instead)")
         topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
         options.check(args)
-        [spec, *more] = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+        [spec, *more] = options.specs(args, bench_spec(args, topology, LAB_QUICK if args.quick else LAB))
         if more:
             raise KvlabError("--cluster runs one rate: --rate, not --rates")
         return run_cluster_lab(args, topology, spec, console)
@@ -150,19 +149,19 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
-        return run_autoscale(topology, bench_spec(args, topology, FULL), console,
+        return run_autoscale(topology, bench_spec(args, topology, LAB), console,
                              policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                              quick=args.quick, duration_s=args.duration, users=args.users,
                              run_dir=Path(args.run_dir) if args.run_dir else None)
     if topology.faults is not None:   # a replica killed under load and restarted
         from kvlab.scenarios.outage import run_outage
 
-        return run_outage(topology, bench_spec(args, topology, FULL), console,
+        return run_outage(topology, bench_spec(args, topology, LAB), console,
                           policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                           quick=args.quick, duration_s=args.duration, users=args.users,
                           run_dir=Path(args.run_dir) if args.run_dir else None)
     resolve(policies)   # an unknown router fails here, before anything starts
-    specs = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+    specs = options.specs(args, bench_spec(args, topology, LAB_QUICK if args.quick else LAB))
     if len(specs) == 1:
         return run_local_lab(args, topology, specs[0], [Phase(p, p) for p in policies], console)
     # a rate sweep: every policy at every rate, `<policy>@<rate>`

@@ -24,12 +24,12 @@ from typing import Any
 import msgspec
 
 from kvlab.errors import StackError
-from kvlab.lab import QUICK
 from kvlab.load.measure import Record, read_records
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import read_summary
 from kvlab.run.phases import Phase, PhaseResult, run_phases
+from kvlab.run.presets import LAB_QUICK
 from kvlab.stack import attached
 from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
 from kvlab.stack.base import StackInfo
@@ -42,8 +42,8 @@ __all__ = ["PROCESSES_FILE", "TARGETS", "LabPhase", "dashboard_panel", "ensure_s
            "load_phase", "phase", "phase_dir", "replica_metrics", "reset_caches", "run_env", "run_lab", "run_phase",
            "runs_root", "setup", "stop_stack", "wait_trace"]
 
-QUICK_DURATION_S = QUICK["duration"]
-QUICK_USERS = int(QUICK["users"])
+QUICK_DURATION_S = LAB_QUICK.duration_s
+QUICK_USERS = LAB_QUICK.users
 
 
 def setup() -> Path:

@@ -35,12 +35,12 @@ from kvlab.load.workloads import NAMES, create
 from kvlab.load.workloads.trace import NAMED as TRACE_NAMES
 from kvlab.run.command import guarded
 from kvlab.run.phases import Display, Phase, PhaseResult, RichDisplay, run_phases
+from kvlab.run.presets import COMPARE
 from kvlab.stack.state import write_json
 from kvlab.tokenizer import Tokenizer
 from kvlab.topology import Topology
 
 DEFAULT_ROUTERS = "round-robin,prefix,kv-aware,vllm-router:cache_aware,vllm-router:kv_aware"
-PRESET = {"duration": 30.0, "users": 8}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated workloads, run one after another (default: the topology's): "
                         + ", ".join(NAMES))
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters (one workload only)")
-    p.add_argument("--duration", type=float, help=f"seconds per router (default {PRESET['duration']:.0f})")
-    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {PRESET['users']:.0f})")
+    p.add_argument("--duration", type=float, help=f"seconds per router (default {COMPARE.duration_s:.0f})")
+    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {COMPARE.users})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-requests", type=int, default=0,
                    help="a router also runs until this many requests completed (0: duration only)")
@@ -95,7 +95,7 @@ def _specs(args: argparse.Namespace, topology: Topology) -> dict[str, BenchSpec]
     out = {}
     for w in workloads:
         given = argparse.Namespace(**{**vars(args), "workload": None if args.trace else w})
-        base = bench_spec(given, topology, PRESET)
+        base = bench_spec(given, topology, COMPARE)
         specs = options.specs(args, base)
         for spec in specs:
             out[f"{w}@{spec.arrival.rate:g}" if args.rates and spec.arrival else w] = spec

@@ -32,14 +32,13 @@ from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
 from kvlab.run.phases import Phase, RichDisplay, run_phases
+from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
 from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, read_stack, write_json
 from kvlab.stack.supervisor import Restarter
 from kvlab.telemetry import names
 from kvlab.topology import FaultSettings, Topology
 
-FULL = {"duration": 20.0, "users": 8}
-QUICK = {"duration": 10.0, "users": 8}
 LIMIT_S = 120.0     # the phase's default limit: a busy machine restarts the replica slowly
 _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
@@ -180,9 +179,9 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
     outputs plus phase-1-<policy>/outage.json."""
     faults: FaultSettings | None = topology.faults
     assert faults is not None
-    preset = QUICK if quick else FULL
-    spec = msgspec.structs.replace(spec, duration_s=duration_s or preset["duration"],
-                                   users=users or int(preset["users"]), min_requests=0,
+    preset = OUTAGE_QUICK if quick else OUTAGE
+    spec = msgspec.structs.replace(spec, duration_s=duration_s or preset.duration_s,
+                                   users=users or preset.users, min_requests=0,
                                    limit_s=spec.limit_s or LIMIT_S)
     run_dir = run_dir.absolute() if run_dir else new_run_dir("faults")
     console.rule(f"[bold]kvlab lab · a replica lost under load[/bold] {run_dir.name}")
