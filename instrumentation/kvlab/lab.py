@@ -31,7 +31,8 @@ from kvlab.load import options
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.run.command import fail, guarded
-from kvlab.run.outcome import comparison, finish, read_phases
+from kvlab.run.document import ClusterRun, Machine, RunDocument, read_run
+from kvlab.run.outcome import comparison, finish
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import LAB, LAB_QUICK, Preset
 from kvlab.stack.cli import resolve_topology
@@ -196,15 +197,15 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
                 rate = f"@{each.arrival.rate:g}" if each.arrival else ""
                 results += run_phases(stack, each, [Phase(p.name + rate, p.policy) for p in phases], run_dir,
                                       display, first=len(results) + 1)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": args.quick, "policies": [p.policy for p in phases],
-        "wall_s": round(time.monotonic() - started, 1), "min_requests": spec.min_requests,
-        "machine": {"isa": doctor.cpu.isa.level, "isa_source": doctor.cpu.isa.source, "cores": doctor.cpu.cores,
-                    "dtype": doctor.choices.dtype if topology.engine == "vllm" else None},
-    }
+    document = RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=args.quick, policies=[p.policy for p in phases],
+        wall_s=round(time.monotonic() - started, 1), min_requests=spec.min_requests,
+        machine=Machine(isa=doctor.cpu.isa.level, isa_source=doctor.cpu.isa.source, cores=doctor.cpu.cores,
+                        dtype=doctor.choices.dtype if topology.engine == "vllm" else None),
+    )
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": spec.workload, "seed": spec.seed, **_load(spec, sweep), "seconds per phase": spec.duration_s}
     finish(console, run_dir, results, document, meta,
@@ -237,15 +238,15 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
         console.print(warning, style="yellow", markup=False)
     resets = {r.phase.name: r.resets for r in results}
     pods = sorted({k.rsplit(":", 1)[0] for r in resets.values() for k in r})
-    where = {"context": args.context, "namespace": args.namespace}
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "engine": None, "replicas": len(pods),
-        "cluster": {**where, "replica_pods": pods, "cache_resets": resets},
-        "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": args.quick, "policies": [p.policy for p in phases],
-        "wall_s": round(time.monotonic() - started, 1),
-    }
+    document = RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), engine=None, replicas=len(pods),
+        cluster=ClusterRun(context=args.context, namespace=args.namespace, replica_pods=pods,
+                           cache_resets=dict(resets)),
+        topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=args.quick, policies=[p.policy for p in phases],
+        wall_s=round(time.monotonic() - started, 1),
+    )
     meta = {"run": run_dir.name, "cluster": f"{args.context}/{args.namespace}", "replica pods": len(pods),
             "workload": spec.workload, "seed": spec.seed, "users": spec.users,
             "seconds per phase": spec.duration_s}
@@ -264,6 +265,6 @@ def main(argv: list[str]) -> int:
         return code
     if done[0] is None:   # --cluster --dry-run
         return 0
-    if any(s.ok == 0 for s in read_phases(done[0]).values()):
+    if any(s.ok == 0 for s in read_run(done[0] / "summary.json").phases.values()):
         return fail(console, "lab", "a phase completed no request; see the logs under the run dir")
     return 0

@@ -32,6 +32,7 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
+from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import AUTOSCALE, AUTOSCALE_QUICK
 from kvlab.stack.local import LocalStack
@@ -182,15 +183,14 @@ def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy:
             "samples": timeline.samples, "actions": actions, "users": users_over_time(out)}
     write_json(out / "autoscale.json", data)
     result = summarize_autoscale(timeline.samples, actions, records, ramp)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "scenario": "autoscale", "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
-        "duration_s": ramp.duration_s, "quick": quick,
-        "policies": [policy], "phases": {policy: msgspec.to_builtins(summary)}, "autoscale": result,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    write_json(run_dir / "summary.json", document)
+    write_run(run_dir / "summary.json", RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), scenario="autoscale", engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=ramp.peak,
+        duration_s=ramp.duration_s, quick=quick,
+        policies=[policy], phases={policy: summary}, autoscale=result,
+        wall_s=round(time.monotonic() - started, 1),
+    ))
     meta = {"run": run_dir.name, "scenario": "autoscaling under a load ramp", "engine": topology.engine,
             "replicas at start": topology.total_replicas, "workload": spec.workload, "seed": spec.seed,
             "peak users": ramp.peak, "seconds": ramp.duration_s}
