@@ -35,9 +35,8 @@ from kvlab.run.document import ClusterRun, Machine, RunDocument, read_run
 from kvlab.run.outcome import comparison, finish
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import LAB, LAB_QUICK, Preset
-from kvlab.stack.cli import resolve_topology
 from kvlab.stack.state import new_run_dir, set_latest
-from kvlab.topology import Topology, load_topology
+from kvlab.topology import Topology, load_topology, resolve_topology
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
 MIN_REQUESTS = 30   # a phase runs until its duration *and* this many completed requests (or its limit)

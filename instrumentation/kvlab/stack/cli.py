@@ -22,16 +22,10 @@ from kvlab.errors import KvlabError
 from kvlab.lifecycle import http_ok, terminate
 from kvlab.stack.process import log_tail, runs_command, stop_recorded
 from kvlab.stack.state import new_run_dir, read_stack, runs_dir, set_latest
-from kvlab.topology import builtin, load_topology
+from kvlab.topology import load_topology, resolve_topology
 
 MULTI_COMMAND = True
 console = Console()
-
-
-def resolve_topology(name_or_file: str) -> Path:
-    """A topology file path, or the stem of one shipped in labs/topologies/."""
-    path = Path(name_or_file)
-    return path if path.suffix in {".yaml", ".yml"} or path.exists() else builtin(name_or_file)
 
 
 def _run_dir(arg: str | None) -> Path:
