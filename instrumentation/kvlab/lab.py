@@ -30,9 +30,9 @@ from kvlab.errors import KvlabError
 from kvlab.load import options
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
+from kvlab.report.outcome import comparison, finish
 from kvlab.run.command import fail, guarded
 from kvlab.run.document import ClusterRun, Machine, RunDocument, read_run
-from kvlab.run.outcome import comparison, finish
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import LAB, LAB_QUICK, Preset
 from kvlab.stack.state import new_run_dir, set_latest
