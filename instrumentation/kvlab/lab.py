@@ -24,7 +24,6 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.load import options
@@ -35,6 +34,7 @@ from kvlab.run.command import fail, guarded
 from kvlab.run.document import ClusterRun, Machine, RunDocument, read_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import LAB, LAB_QUICK, Preset
+from kvlab.run.routers import local_routers, resolve
 from kvlab.stack.state import new_run_dir, set_latest
 from kvlab.topology import Topology, load_topology, resolve_topology
 

@@ -20,7 +20,6 @@ from rich.console import Console
 
 from kvlab.compare.cluster import cluster_routers, default_routers, print_plan, refuse_local
 from kvlab.compare.results import Row, ceiling_for, kv_path_warning, request_counts, row, table
-from kvlab.compare.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
 from kvlab.compare.sweep import Sweep, behind, sweep
 from kvlab.compare.sweep import table as sweep_table
 from kvlab.doctor import Report, preflight
@@ -36,6 +35,7 @@ from kvlab.run.command import guarded
 from kvlab.run.document import ClusterRun, Machine, RunDocument, Section, write_run
 from kvlab.run.phases import Display, Phase, PhaseResult, RichDisplay, run_phases
 from kvlab.run.presets import COMPARE
+from kvlab.run.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
 from kvlab.tokenizer import Tokenizer
 from kvlab.topology import Topology
 

@@ -32,11 +32,11 @@ import msgspec
 from rich.console import Console
 
 from kvlab.compare.results import KV_PREFIX, metric_counters
-from kvlab.compare.tcp_events import Relay
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
 from kvlab.run.phases import Phase
+from kvlab.run.tcp_events import Relay
 from kvlab.stack.base import Stack, StackInfo
 from kvlab.stack.launch import HOST
 from kvlab.stack.local import LocalStack
