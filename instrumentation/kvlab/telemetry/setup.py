@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
-from importlib.metadata import entry_points
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from kvlab.telemetry.recorder import RecorderProvider
 from kvlab.telemetry.sampling import sampler_from_env
-from kvlab.telemetry.span_export import SpanRelay
+from kvlab.telemetry.span_export import SpanRelay, build_exporter
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +66,6 @@ def exporter_names() -> list[str]:
             continue
         names.append(_OTLP_BY_PROTOCOL[protocol])
     return names
-
-
-def build_exporter(name: str) -> SpanExporter:
-    """The installed exporter of that entry-point name, configured from the environment."""
-    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
-    if not found:
-        raise LookupError(f"no trace exporter named {name!r} is installed")
-    exporter: SpanExporter = found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
-    return exporter
 
 
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
