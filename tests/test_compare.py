@@ -18,8 +18,8 @@ from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
+from kvlab.process import runs_command
 from kvlab.run.routers import commands, render, resolve
-from kvlab.stack.process import runs_command
 
 TOPOLOGY = """
 name: compare-test
