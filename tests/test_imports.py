@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "instrumentation" / "kvlab"
 
 LAYERS = [
     # foundations: errors, names, OTel, the wire formats, tokenizers, the machine's facts
-    ["kvlab", "kvlab.errors", "kvlab.contract", "kvlab.lifecycle", "kvlab.config", "kvlab.httpedge",
+    ["kvlab", "kvlab.errors", "kvlab.contract", "kvlab.lifecycle", "kvlab.process", "kvlab.config", "kvlab.httpedge",
      "kvlab.tokenizer", "kvlab.conversation", "kvlab.doctor", "kvlab.kvcache", "kvlab.telemetry", "kvlab.dashboards"],
     # the serving parts: engines, the gateway, the endpoint picker
     ["kvlab.engine", "kvlab.gateway", "kvlab.epp"],
@@ -134,3 +134,13 @@ def test_the_layer_check_finds_an_upward_import():
 
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+def test_one_module_starts_child_processes():
+    """`kvlab.process.Child.start` is the one launcher: no other module calls `subprocess.Popen`."""
+    starting = set()
+    for path in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and (getattr(n.func, "attr", None) == "Popen" or getattr(n.func, "id", None) == "Popen"):
+                starting.add(_module(path))
+    assert starting == {"kvlab.process"}
