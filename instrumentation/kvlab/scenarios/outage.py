@@ -31,6 +31,7 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
+from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
 from kvlab.stack.local import LocalStack
@@ -207,15 +208,14 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
         with outage, RichDisplay(console, live=live) as display:
             (ran,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display, until=outage.done)
     result = outage.save(ran.dir, ran.records)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "scenario": "faults", "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": quick, "policies": [policy],
-        "phases": {policy: msgspec.to_builtins(ran.summary)}, "outage": result,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    write_json(run_dir / "summary.json", document)
+    write_run(run_dir / "summary.json", RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), scenario="faults", engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=quick, policies=[policy],
+        phases={policy: ran.summary}, outage=result,
+        wall_s=round(time.monotonic() - started, 1),
+    ))
     meta = {"run": run_dir.name, "scenario": "a replica SIGKILLed under load and restarted", "engine": topology.engine,
             "replicas": topology.total_replicas, "workload": spec.workload, "seed": spec.seed, "users": spec.users}
     report = write_report(run_dir / "report.html", {policy: ran}, meta)
