@@ -13,7 +13,7 @@ Setups, all at 100 % sampling unless said: tracing off with the interpreter's GC
 (`KVLAB_GC_GEN0=0`) and with the settled GC every server now gets (`kvlab.lifecycle.settle_gc`);
 the baseline tree (`--baseline`, default: the commit before issue 21's tracing work, exported with
 `git archive` into a temporary directory) with the SDK's spans exported in-process; the SDK's spans
-exported by the child process (kvlab.telemetry.relay, `KVLAB_TRACES_EXPORT_PROCESS=sdk`) with
+exported by the child process (kvlab.telemetry.span_export, `KVLAB_TRACES_EXPORT_PROCESS=sdk`) with
 either GC; kvlab's span recorder (kvlab.telemetry.recorder) without export and with the child's
 export (the default export path), every request sampled; and that export path with the client
 deciding as a load test does: a 10 % parent-based sample, or kvlab's default sampler (at most 200

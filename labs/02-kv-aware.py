@@ -130,15 +130,13 @@ figures.ttft_by_replica_over_time(records).show()
 # %%
 from pathlib import Path
 
-import msgspec
-
-from kvlab.stack.state import write_json
+from kvlab.run.document import RunDocument, write_run
 
 run_dir = Path(stack["run_dir"])
 ratios = comparison(summaries)
-write_json(run_dir / "summary.json", {"id": run_dir.name, "run_dir": str(run_dir), "policies": list(phases),
-                                       "workload": WORKLOAD, "users": USERS, "duration_s": DURATION_S, "seed": SEED,
-                                       "phases": msgspec.to_builtins(summaries), "comparison": ratios})
+write_run(run_dir / "summary.json", RunDocument(id=run_dir.name, run_dir=str(run_dir), policies=list(phases),
+                                                workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED,
+                                                phases=summaries, comparison=ratios))
 report = write_report(run_dir / "report.html", phases,
                       {"run": run_dir.name, "workload": WORKLOAD, "seed": SEED, "users": USERS,
                        "seconds per phase": DURATION_S})

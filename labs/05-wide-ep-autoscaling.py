@@ -51,6 +51,7 @@ from kvlab.load.measure import read_records
 from kvlab.load.table import summary_table
 from kvlab.report import figures
 from kvlab.report.autoscale import figure as autoscale_figure
+from kvlab.run.document import read_run
 from kvlab.telemetry import names as n
 from kvlab.traces.decision import decision_of
 from kvlab.traces.sources import open_source
@@ -167,7 +168,7 @@ for s in siblings:
 nb.stop_stack(Path(stack["run_dir"]))
 run = nb.run_lab(["--topology", "autoscale", "--duration", str(RAMP_S), "--users", str(RAMP_USERS),
                   "--seed", str(SEED)], "autoscale")
-result = json.loads((run / "summary.json").read_text())["autoscale"]
+result = read_run(run / "summary.json").autoscale
 phase_dir = next(run.glob("phase-1-*"))
 data = json.loads((phase_dir / "autoscale.json").read_text())
 autoscale_figure(data, read_records(phase_dir / "requests.jsonl")).show()

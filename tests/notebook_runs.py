@@ -46,7 +46,7 @@ def shard(name: str) -> list:
 # ---- execution --------------------------------------------------------------------------------------
 def _stop_everything(runs: Path) -> list[str]:
     """Stop, by recorded pid, everything under `runs`; returns the processes still alive after."""
-    from kvlab.stack.process import runs_command, stop_recorded
+    from kvlab.process import runs_command, stop_recorded
 
     entries = []
     for stack_file in runs.rglob("stack.json"):

@@ -177,8 +177,9 @@ def test_prometheus_scraped_the_added_replica(run, tmp_path):
     home = tmp_path / "replay"
     shutil.copytree(run / "prometheus" / "data", home / "prometheus" / "data")
     port = free_port()
-    proc = start_prometheus(home, {}, port)
-    require(proc is not None, "the prometheus binary")
+    child = start_prometheus(home, {}, port)
+    require(child is not None, "the prometheus binary")
+    proc = child.popen
     try:
         base = f"http://127.0.0.1:{port}"
         end = time.time() + 5

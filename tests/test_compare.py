@@ -14,12 +14,12 @@ import pytest
 
 from conftest import require
 from kvlab.compare.results import KV_PREFIX, NO_CREDIT, Row, kv_path_warning, metric_counters
-from kvlab.compare.routers import commands, render, resolve
 from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
-from kvlab.stack.process import runs_command
+from kvlab.process import runs_command
+from kvlab.run.routers import commands, render, resolve
 
 TOPOLOGY = """
 name: compare-test
@@ -211,7 +211,7 @@ def test_the_relay_republishes_unix_socket_kv_events_on_loopback_tcp(tmp_path):
 
     import zmq
 
-    from kvlab.compare.relay import Relay
+    from kvlab.run.tcp_events import Relay
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)

@@ -236,7 +236,7 @@ def _rendered_kind() -> tuple[str, set[str]]:
     pods' KV-event topic (with `<model>` for the model) and every flag in any manifest."""
     from kvlab.stack.kind import manifests as m
     from kvlab.stack.kind import objects as o
-    from kvlab.stack.kind.phases import gateway_api_phases
+    from kvlab.stack.kind.plan import gateway_api_phases
     from kvlab.topology import builtin, load_topology
 
     flags: set[str] = set()

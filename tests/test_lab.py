@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.stack.process import runs_command
+from kvlab.process import runs_command
 from kvlab.telemetry import names
 
 pytestmark = pytest.mark.slow

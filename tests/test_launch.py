@@ -97,10 +97,9 @@ def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again
 
 def test_the_local_stack_gives_vllm_engines_their_ports_before_vllms_own_args(tmp_path, monkeypatch):
     """`--ports` after the `--` reached vLLM's api_server, which exited (kvlab lab --engine vllm)."""
-    from kvlab.stack.cli import resolve_topology
+    from kvlab.process import Child
     from kvlab.stack.local import LocalStack
-    from kvlab.stack.process import Child
-    from kvlab.topology import load_topology
+    from kvlab.topology import load_topology, resolve_topology
 
     started: list[list[str]] = []
 

@@ -19,7 +19,7 @@ import yaml
 
 from kvlab import lab
 from kvlab.epp import DESTINATION_HEADER, SERVICE_NAME
-from kvlab.stack.kind import envoy, forward, llmd, phases, versions
+from kvlab.stack.kind import envoy, forward, llmd, plan, versions
 from kvlab.stack.kind import objects as o
 from kvlab.stack.kind.objects import NODE_PORTS, Cluster
 from kvlab.topology import Topology
@@ -40,7 +40,7 @@ for module in ("envoy.extensions.filters.network.http_connection_manager.v3.http
 
 @pytest.fixture(scope="module", params=[False, True], ids=["cpu", "gpu"])
 def rendered(request) -> dict[str, list[dict]]:
-    return phases.gateway_api_phases(Topology(), Cluster(gpu=request.param))
+    return plan.gateway_api_phases(Topology(), Cluster(gpu=request.param))
 
 
 def _by(manifests: list[dict], kind: str, name: str | None = None) -> dict:

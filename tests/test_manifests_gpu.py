@@ -171,7 +171,7 @@ def test_vllm_pods_publish_what_llm_d_precise_scorer_reads():
     from kvlab.stack.kind import llmd
     from kvlab.stack.kind import manifests as m
     from kvlab.stack.kind import objects as o
-    from kvlab.stack.kind.phases import gateway_api_phases
+    from kvlab.stack.kind.plan import gateway_api_phases
 
     topology = load_topology(ROOT / "labs" / "topologies" / "gpu-1.yaml")
     cluster = o.Cluster(gpu=True)

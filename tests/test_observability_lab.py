@@ -75,8 +75,9 @@ def _replay(run: Path, tmp_path_factory):
     home = tmp_path_factory.mktemp("prom-replay")
     shutil.copytree(run / "prometheus" / "data", home / "prometheus" / "data")
     port = free_port()
-    proc = start_prometheus(home, {}, port)
-    require(proc is not None, "the prometheus binary")
+    child = start_prometheus(home, {}, port)
+    require(child is not None, "the prometheus binary")
+    proc = child.popen
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.telemetry.sink import choose_trace_target, start_trace_target
+from kvlab.stack.local import start_trace_backend
+from kvlab.telemetry.sink import choose_trace_target
 from kvlab.traces.sources.otlp_files import OtlpFileSource
 
 pytestmark = pytest.mark.processes   # starts servers: not in `make test-fast`
@@ -147,9 +148,9 @@ def test_choose_trace_target(tmp_path: Path, monkeypatch):
     assert choose_trace_target("files", tmp_path, jaeger_binary=str(fake)).kind == "files"
 
 
-def test_start_trace_target_runs_the_sink_until_stopped(tmp_path: Path):
+def test_start_trace_backend_runs_the_sink_until_stopped(tmp_path: Path):
     target = choose_trace_target("files", tmp_path)
-    proc = start_trace_target(target, tmp_path / "logs" / "sink.log")
+    proc = start_trace_backend(target, tmp_path / "logs" / "sink.log").popen
     try:
         with urllib.request.urlopen(target.ready_url, timeout=5) as resp:
             assert json.load(resp)["status"] == "ok"

@@ -17,8 +17,9 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, T
 from opentelemetry.trace.status import Status, StatusCode
 
 from kvlab.telemetry.otlp import OtlpEncoder
-from kvlab.telemetry.relay import _BytesExport, pack, unpack
+from kvlab.telemetry.packed import pack, unpack
 from kvlab.telemetry.setup import build_exporter
+from kvlab.telemetry.span_export import _BytesExport
 
 RESOURCE = Resource({"service.name": "kvlab-test", "service.instance.id": "i-1", "host.cores": 2,
                      "lab.tags": ("a", "b")})

@@ -1,4 +1,4 @@
-"""kvlab.telemetry.relay and .recorder: spans exported from a child process arrive exactly as the
+"""kvlab.telemetry.span_export and .recorder: spans exported from a child process arrive exactly as the
 SDK's own in-process BatchSpanProcessor sends them, whether the SDK's spans or kvlab's recorder made
 them, and a dead export process never breaks the server.
 

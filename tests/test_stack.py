@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvlab.stack.process import runs_command
+from kvlab.process import runs_command
 from kvlab.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

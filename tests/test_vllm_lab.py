@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from kvlab import lab
 from kvlab.engine import vllm as launcher
-from kvlab.stack.cli import resolve_topology
 from kvlab.stack.local import KVLAB, engine_argv
-from kvlab.topology import Topology, load_topology
+from kvlab.topology import Topology, load_topology, resolve_topology
 
 
 def _flag(argv: list[str], name: str) -> str:

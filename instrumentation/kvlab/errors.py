@@ -34,14 +34,7 @@ class RequestError(KvlabError):
 
     def to_json(self) -> dict[str, dict[str, str | int | None]]:
         """The OpenAI/vLLM error body."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+        return error_body(self.message, self.type, self.status, self.param)
 
 
 class ModelNotFound(RequestError):
@@ -68,3 +61,10 @@ class NoEndpointAvailable(UpstreamError):
 
 class StackError(KvlabError):
     """A process or cluster step of the stack failed."""
+
+
+def error_body(message: str, type_: str, status: int,
+               param: str | None = None) -> dict[str, dict[str, str | int | None]]:
+    """The OpenAI/vLLM error body, `{"error": {message, type, param, code}}`: every JSON error kvlab
+    answers (client errors, upstream failures, the endpoint picker's own) has this one shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}

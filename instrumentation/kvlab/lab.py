@@ -24,24 +24,23 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.routers import local_routers, resolve
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.load import options
 from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
+from kvlab.report.outcome import comparison, finish
 from kvlab.run.command import fail, guarded
-from kvlab.run.outcome import comparison, finish, read_phases
+from kvlab.run.document import ClusterRun, Machine, RunDocument, read_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
-from kvlab.stack.cli import resolve_topology
+from kvlab.run.presets import LAB, LAB_QUICK, Preset
+from kvlab.run.routers import local_routers, resolve
 from kvlab.stack.state import new_run_dir, set_latest
-from kvlab.topology import Topology, load_topology
+from kvlab.topology import Topology, load_topology, resolve_topology
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
-FULL = {"duration": 60.0, "users": 12}
-QUICK = {"duration": 25.0, "users": 8}
 MIN_REQUESTS = 30   # a phase runs until its duration *and* this many completed requests (or its limit)
-__all__ = ["QUICK", "comparison", "main", "parser", "run_lab", "workload_params"]
+__all__ = ["comparison", "main", "parser", "run_lab", "workload_params"]
 
 DEFAULT_TOPOLOGY = {"sim": "quickstart", "vllm": "vllm"}   # by --engine, when no --topology is given
 
@@ -55,9 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=NAMES, help="default: the topology's `workload:` (shared-prefix)")
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters")
     p.add_argument("--duration", type=float,
-                   help=f"seconds per phase (default {FULL['duration']:.0f}, quick {QUICK['duration']:.0f})")
+                   help=f"seconds per phase (default {LAB.duration_s:.0f}, quick {LAB_QUICK.duration_s:.0f})")
     p.add_argument("--users", type=int,
-                   help=f"concurrent Locust users (default {FULL['users']}, quick {QUICK['users']})")
+                   help=f"concurrent Locust users (default {LAB.users}, quick {LAB_QUICK.users})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated routers, one phase each: gateway presets or peers such as "
@@ -95,15 +94,15 @@ def workload_params(topology: Topology, workload: str, given: dict[str, Any]) ->
     return {**sized, **given}
 
 
-def bench_spec(args: argparse.Namespace, topology: Topology, preset: dict[str, float]) -> BenchSpec:
+def bench_spec(args: argparse.Namespace, topology: Topology, preset: Preset) -> BenchSpec:
     """The bench spec of `kvlab lab ARGS` (parsed once here; the workload's parameters validated now)."""
     traced = options.trace_workload(args) if getattr(args, "trace", None) else None
     name, params = traced or (args.workload or topology.workload.name, {})
     if traced is None:
         params = workload_params(topology, name, json.loads(args.workload_params))
         create(name, seed=args.seed, params=params)
-    return BenchSpec(workload=name, params=params, users=args.users or int(preset["users"]),
-                     duration_s=args.duration or preset["duration"], seed=args.seed, model=topology.model,
+    return BenchSpec(workload=name, params=params, users=args.users or preset.users,
+                     duration_s=args.duration or preset.duration_s, seed=args.seed, model=topology.model,
                      min_requests=args.min_requests, limit_s=args.phase_limit,
                      trace_sample_ratio=topology.observability.sample_ratio)
 
@@ -141,7 +140,7 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
                              "do not apply (deploy another --topology instead)")
         topology = load_topology(resolve_topology(args.topology or DEFAULT_TOPOLOGY["sim"]))
         options.check(args)
-        [spec, *more] = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+        [spec, *more] = options.specs(args, bench_spec(args, topology, LAB_QUICK if args.quick else LAB))
         if more:
             raise KvlabError("--cluster runs one rate: --rate, not --rates")
         return run_cluster_lab(args, topology, spec, console)
@@ -150,19 +149,19 @@ def run_lab(args: argparse.Namespace, console: Console) -> Path | None:
     if topology.gateway.autoscale is not None:   # the ramping-load autoscaling scenario
         from kvlab.scenarios.autoscale import run_autoscale
 
-        return run_autoscale(topology, bench_spec(args, topology, FULL), console,
+        return run_autoscale(topology, bench_spec(args, topology, LAB), console,
                              policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                              quick=args.quick, duration_s=args.duration, users=args.users,
                              run_dir=Path(args.run_dir) if args.run_dir else None)
     if topology.faults is not None:   # a replica killed under load and restarted
         from kvlab.scenarios.outage import run_outage
 
-        return run_outage(topology, bench_spec(args, topology, FULL), console,
+        return run_outage(topology, bench_spec(args, topology, LAB), console,
                           policies[0] if args.policies != DEFAULT_POLICIES else topology.gateway.policy,
                           quick=args.quick, duration_s=args.duration, users=args.users,
                           run_dir=Path(args.run_dir) if args.run_dir else None)
     resolve(policies)   # an unknown router fails here, before anything starts
-    specs = options.specs(args, bench_spec(args, topology, QUICK if args.quick else FULL))
+    specs = options.specs(args, bench_spec(args, topology, LAB_QUICK if args.quick else LAB))
     if len(specs) == 1:
         return run_local_lab(args, topology, specs[0], [Phase(p, p) for p in policies], console)
     # a rate sweep: every policy at every rate, `<policy>@<rate>`
@@ -197,15 +196,15 @@ def run_local_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpec,
                 rate = f"@{each.arrival.rate:g}" if each.arrival else ""
                 results += run_phases(stack, each, [Phase(p.name + rate, p.policy) for p in phases], run_dir,
                                       display, first=len(results) + 1)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": args.quick, "policies": [p.policy for p in phases],
-        "wall_s": round(time.monotonic() - started, 1), "min_requests": spec.min_requests,
-        "machine": {"isa": doctor.cpu.isa.level, "isa_source": doctor.cpu.isa.source, "cores": doctor.cpu.cores,
-                    "dtype": doctor.choices.dtype if topology.engine == "vllm" else None},
-    }
+    document = RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=args.quick, policies=[p.policy for p in phases],
+        wall_s=round(time.monotonic() - started, 1), min_requests=spec.min_requests,
+        machine=Machine(isa=doctor.cpu.isa.level, isa_source=doctor.cpu.isa.source, cores=doctor.cpu.cores,
+                        dtype=doctor.choices.dtype if topology.engine == "vllm" else None),
+    )
     meta = {"run": run_dir.name, "engine": topology.engine, "replicas": topology.total_replicas,
             "workload": spec.workload, "seed": spec.seed, **_load(spec, sweep), "seconds per phase": spec.duration_s}
     finish(console, run_dir, results, document, meta,
@@ -238,15 +237,15 @@ def run_cluster_lab(args: argparse.Namespace, topology: Topology, spec: BenchSpe
         console.print(warning, style="yellow", markup=False)
     resets = {r.phase.name: r.resets for r in results}
     pods = sorted({k.rsplit(":", 1)[0] for r in resets.values() for k in r})
-    where = {"context": args.context, "namespace": args.namespace}
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "engine": None, "replicas": len(pods),
-        "cluster": {**where, "replica_pods": pods, "cache_resets": resets},
-        "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": args.quick, "policies": [p.policy for p in phases],
-        "wall_s": round(time.monotonic() - started, 1),
-    }
+    document = RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), engine=None, replicas=len(pods),
+        cluster=ClusterRun(context=args.context, namespace=args.namespace, replica_pods=pods,
+                           cache_resets=dict(resets)),
+        topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=args.quick, policies=[p.policy for p in phases],
+        wall_s=round(time.monotonic() - started, 1),
+    )
     meta = {"run": run_dir.name, "cluster": f"{args.context}/{args.namespace}", "replica pods": len(pods),
             "workload": spec.workload, "seed": spec.seed, "users": spec.users,
             "seconds per phase": spec.duration_s}
@@ -265,6 +264,6 @@ def main(argv: list[str]) -> int:
         return code
     if done[0] is None:   # --cluster --dry-run
         return 0
-    if any(s.ok == 0 for s in read_phases(done[0]).values()):
+    if any(s.ok == 0 for s in read_run(done[0] / "summary.json").phases.values()):
         return fail(console, "lab", "a phase completed no request; see the logs under the run dir")
     return 0

@@ -24,17 +24,17 @@ from typing import Any
 import msgspec
 
 from kvlab.errors import StackError
-from kvlab.lab import QUICK
 from kvlab.load.measure import Record, read_records
 from kvlab.load.runner import Progress as Watch
 from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import read_summary
+from kvlab.process import Child
 from kvlab.run.phases import Phase, PhaseResult, run_phases
+from kvlab.run.presets import LAB_QUICK
 from kvlab.stack import attached
 from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
 from kvlab.stack.base import StackInfo
 from kvlab.stack.launch import KVLAB
-from kvlab.stack.process import Child
 from kvlab.stack.state import read_stack, runs_dir, write_json
 from kvlab.telemetry import names as n
 
@@ -42,8 +42,8 @@ __all__ = ["PROCESSES_FILE", "TARGETS", "LabPhase", "dashboard_panel", "ensure_s
            "load_phase", "phase", "phase_dir", "replica_metrics", "reset_caches", "run_env", "run_lab", "run_phase",
            "runs_root", "setup", "stop_stack", "wait_trace"]
 
-QUICK_DURATION_S = QUICK["duration"]
-QUICK_USERS = int(QUICK["users"])
+QUICK_DURATION_S = LAB_QUICK.duration_s
+QUICK_USERS = LAB_QUICK.users
 
 
 def setup() -> Path:
@@ -343,10 +343,9 @@ def run_lab(args: list[str], label: str) -> Path:
     run = new_run_dir(label, runs_root())
     log = run / "lab.log"
     argv = [*KVLAB, "lab", *args, "--run-dir", str(run)]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=dict(os.environ, COLUMNS="110"))
-    child = Child("kvlab-lab", argv, log, proc)
+    log.unlink(missing_ok=True)
+    child = Child.start("kvlab-lab", argv, log, dict(os.environ, COLUMNS="110"))
+    proc = child.popen
     attached.save_recorded(run, [child.describe()])
     handle = display(HTML(f"<b>kvlab lab {' '.join(args)}</b>: starting..."), display_id=True)  # type: ignore[no-untyped-call]  # IPython.display is untyped
     started = time.monotonic()

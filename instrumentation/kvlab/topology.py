@@ -168,3 +168,9 @@ def builtin(name: str) -> Path:
         known = sorted(p.stem for p in root.glob("*.yaml"))
         raise ConfigError(f"no topology named {name!r}; shipped ones: {', '.join(known) or 'none'}")
     return path
+
+
+def resolve_topology(name_or_file: str) -> Path:
+    """A topology file path, or the stem of one shipped in labs/topologies/."""
+    path = Path(name_or_file)
+    return path if path.suffix in {".yaml", ".yml"} or path.exists() else builtin(name_or_file)

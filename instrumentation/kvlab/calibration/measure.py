@@ -24,6 +24,7 @@ import aiohttp
 
 from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
+from kvlab.process import Child
 from kvlab.tokenizer import Tokenizer
 
 KVLAB = [sys.executable, "-m", "kvlab.cli"]
@@ -42,9 +43,7 @@ def start_engine(args: list[str], log: Path, timeout_s: float) -> tuple[subproce
     """`kvlab engine ARGS` in its own session; (process, URL of its first replica) once ready."""
     ready = log.with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([*KVLAB, "engine", *args, "--ready-file", str(ready)], stdout=subprocess.DEVNULL,
-                                stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = Child.start("engine", [*KVLAB, "engine", *args, "--ready-file", str(ready)], log).popen
     deadline = time.monotonic() + timeout_s
     while not ready.is_file():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from typing import IO
 
-from kvlab.compare.routers import Router, unique
 from kvlab.errors import ConfigError
 from kvlab.load.spec import BenchSpec
+from kvlab.run.routers import Router, unique
 from kvlab.stack.kind.phases import LabPhase, benched, kind_cluster, lab_plan, print_deploy
 from kvlab.topology import Topology
 

@@ -14,14 +14,12 @@ import shlex
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from rich.console import Console
 
 from kvlab.compare.cluster import cluster_routers, default_routers, print_plan, refuse_local
 from kvlab.compare.results import Row, ceiling_for, kv_path_warning, request_counts, row, table
-from kvlab.compare.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
 from kvlab.compare.sweep import Sweep, behind, sweep
 from kvlab.compare.sweep import table as sweep_table
 from kvlab.doctor import Report, preflight
@@ -34,13 +32,14 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.workloads import NAMES, create
 from kvlab.load.workloads.trace import NAMED as TRACE_NAMES
 from kvlab.run.command import guarded
+from kvlab.run.document import ClusterRun, Machine, RunDocument, Section, write_run
 from kvlab.run.phases import Display, Phase, PhaseResult, RichDisplay, run_phases
-from kvlab.stack.state import write_json
+from kvlab.run.presets import COMPARE
+from kvlab.run.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
 from kvlab.tokenizer import Tokenizer
 from kvlab.topology import Topology
 
 DEFAULT_ROUTERS = "round-robin,prefix,kv-aware,vllm-router:cache_aware,vllm-router:kv_aware"
-PRESET = {"duration": 30.0, "users": 8}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,8 +62,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated workloads, run one after another (default: the topology's): "
                         + ", ".join(NAMES))
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters (one workload only)")
-    p.add_argument("--duration", type=float, help=f"seconds per router (default {PRESET['duration']:.0f})")
-    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {PRESET['users']:.0f})")
+    p.add_argument("--duration", type=float, help=f"seconds per router (default {COMPARE.duration_s:.0f})")
+    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {COMPARE.users})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-requests", type=int, default=0,
                    help="a router also runs until this many requests completed (0: duration only)")
@@ -95,7 +94,7 @@ def _specs(args: argparse.Namespace, topology: Topology) -> dict[str, BenchSpec]
     out = {}
     for w in workloads:
         given = argparse.Namespace(**{**vars(args), "workload": None if args.trace else w})
-        base = bench_spec(given, topology, PRESET)
+        base = bench_spec(given, topology, COMPARE)
         specs = options.specs(args, base)
         for spec in specs:
             out[f"{w}@{spec.arrival.rate:g}" if args.rates and spec.arrival else w] = spec
@@ -177,40 +176,38 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
                   f"{first.duration_s:.0f} s per router · routers: {', '.join(r.name for r in routers)}")
     tokenizer = PromptTokenizer(Tokenizer(topology.tokenizer)) if topology.tokenizer else PromptTokenizer()
     started = time.monotonic()
-    sections: dict[str, Any] = {}
+    sections: dict[str, Section] = {}
     results: dict[str, dict[str, PhaseResult]] = {}
     with _stack(args, topology, run_dir, routers, console, doctor) as stack, \
             RichDisplay(console, waiting="starting router...") as display:
         for w, spec in specs.items():
             rows, results[w], note = measure(stack, topology, spec, routers, run_dir / w, Labelled(display, w),
                                              tokenizer)
-            sections[w] = {"workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(),
-                           "oracle_note": note, "routers": [msgspec.to_builtins(r) for r in rows]}
+            sections[w] = Section(workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(),
+                                  oracle_note=note, routers=rows)
         replicas = stack.replica_names()
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "command": "kvlab compare " + shlex.join(argv),
-        "engine": topology.engine, "replicas": len(replicas), "topology": msgspec.to_builtins(topology),
-        "routers": [r.name for r in routers], "users": first.users, "duration_s": first.duration_s,
-        "seed": first.seed, "wall_s": round(time.monotonic() - started, 1),
-        "machine": {"isa": doctor.cpu.isa.level, "cores": doctor.cpu.cores} if doctor else None,
-        "workloads": sections,
-        "slo": msgspec.to_builtins(first.slo),
-        "sweeps": {w: msgspec.to_builtins(sw) for w, sw in _sweeps(specs, sections).items()},
-    }
+    document = RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), command="kvlab compare " + shlex.join(argv),
+        engine=topology.engine, replicas=len(replicas), topology=msgspec.to_builtins(topology),
+        routers=[r.name for r in routers], users=first.users, duration_s=first.duration_s,
+        seed=first.seed, wall_s=round(time.monotonic() - started, 1),
+        machine=Machine(isa=doctor.cpu.isa.level, cores=doctor.cpu.cores) if doctor else None,
+        workloads=sections, slo=first.slo, sweeps=_sweeps(specs, sections),
+    )
     if args.cluster:   # the replicas are the ready pods; what each reset answered, per workload and router
-        document["cluster"] = {"context": args.context, "namespace": args.namespace, "replica_pods": replicas,
-                               "cache_resets": {w: {n: r.resets for n, r in by.items()} for w, by in results.items()}}
-    write_json(run_dir / "compare.json", document)
+        document.cluster = ClusterRun(context=args.context, namespace=args.namespace, replica_pods=replicas,
+                                      cache_resets={w: {n: r.resets for n, r in by.items()}
+                                                    for w, by in results.items()})
+    write_run(run_dir / "compare.json", document)
     from kvlab.report.compare import write_compare
 
     report = write_compare(run_dir / "compare.html", document,
                            {w: {n: r.records for n, r in by.items()} for w, by in results.items()})
     for w, section in sections.items():
-        rows = [Row(**r) for r in section["routers"]]
-        console.print(table(w, rows, section["oracle_note"]))
-        for warning in filter(None, map(kv_path_warning, rows)):
+        console.print(table(w, section.routers, section.oracle_note))
+        for warning in filter(None, map(kv_path_warning, section.routers)):
             console.print(f"[yellow]![/yellow] {w} · {warning}")
-    for sw in _sweeps(specs, sections).values():
+    for sw in document.sweeps.values():
         console.print(sweep_table(sw))
         if behind(sw):
             console.print("[yellow]![/yellow] the dispatcher fell behind at some rates (the `late` column): those "
@@ -224,12 +221,12 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
     return run_dir
 
 
-def _sweeps(specs: dict[str, BenchSpec], sections: dict[str, Any]) -> dict[str, Sweep]:
+def _sweeps(specs: dict[str, BenchSpec], sections: dict[str, Section]) -> dict[str, Sweep]:
     """Per workload swept over several rates (sections `<workload>@<rate>`), its curves."""
     by: dict[str, dict[str, list[Row]]] = {}
     for name, spec in specs.items():
         if "@" in name and spec.arrival is not None:
-            by.setdefault(name.rsplit("@", 1)[0], {})[name] = [Row(**r) for r in sections[name]["routers"]]
+            by.setdefault(name.rsplit("@", 1)[0], {})[name] = sections[name].routers
     first = next(iter(specs.values()))
     return {w: sweep(w, rows, first.slo) for w, rows in by.items()}
 

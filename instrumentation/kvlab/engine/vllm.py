@@ -38,6 +38,7 @@ from kvlab.engine.flags import add_common, port_list
 from kvlab.engine.model import TinySpec, ensure_tiny, resolve_dtype, tiny_spec
 from kvlab.errors import ConfigError, StackError
 from kvlab.lifecycle import announce_ready
+from kvlab.process import Child
 
 KV_TOPIC = "kv-events"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -220,17 +221,6 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
     return specs
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the launcher dies, even by SIGKILL (Linux), so a
-    killed launcher never leaves vLLM servers behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -258,20 +248,9 @@ class Launcher:
 
     def start(self) -> None:
         for s in self.specs:
-            log = None
-            out = None
-            if self.log_dir:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                log = self.log_dir / f"{s.name}.log"
-                out = open(log, "ab")  # noqa: SIM115 (the child owns it)
-            # preexec_fn (PR_SET_PDEATHSIG) is safe here: the launcher process runs no threads
-            die_with_parent = _die_with_parent if sys.platform == "linux" else None
-            proc = subprocess.Popen(s.argv, env=s.env, stdin=subprocess.DEVNULL, stdout=out or sys.stderr,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent)  # noqa: PLW1509
-            if out:
-                out.close()
-            self.running.append(Running(s, proc, log))
+            log = self.log_dir / f"{s.name}.log" if self.log_dir else None
+            # die_with_parent (PR_SET_PDEATHSIG) is safe here: the launcher process runs no threads
+            self.running.append(Running(s, Child.start(s.name, s.argv, log, s.env, die_with_parent=True).popen, log))
 
     def url(self, s: ReplicaSpec) -> str:
         return f"http://{self.host}:{s.port}"

@@ -22,6 +22,7 @@ from kvlab.epp import SERVICE_NAME
 from kvlab.epp import protocol as proto
 from kvlab.epp.bridge import Bridge
 from kvlab.epp.stream import Stream
+from kvlab.errors import error_body
 
 log = logging.getLogger("kvlab.epp")
 
@@ -41,8 +42,7 @@ class Processor:
                     replies = await stream.on(req)
                 except Exception as exc:
                     log.exception("ext_proc message failed")
-                    body = {"error": {"message": f"endpoint picker failed: {type(exc).__name__}",
-                                      "type": "InternalServerError", "param": None, "code": 500}}
+                    body = error_body(f"endpoint picker failed: {type(exc).__name__}", "InternalServerError", 500)
                     yield proto.immediate(500, msgspec.json.encode(body))
                     return
                 for out in replies:

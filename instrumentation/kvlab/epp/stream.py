@@ -24,7 +24,7 @@ from kvlab.contract import answer_decoder
 from kvlab.epp import DESTINATION_HEADER
 from kvlab.epp import protocol as proto
 from kvlab.epp.bridge import OPERATIONS, Bridge, Pick
-from kvlab.errors import NoEndpointAvailable, RequestError
+from kvlab.errors import NoEndpointAvailable, RequestError, error_body
 from kvlab.telemetry import names
 
 _BUFFERED = "BUFFERED"
@@ -32,8 +32,7 @@ _SUPPORTED = (proto.FULL_DUPLEX, _BUFFERED)
 
 
 def _unavailable(message: str) -> ext_proc.ProcessingResponse:
-    body = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
-    return proto.immediate(503, msgspec.json.encode(body))
+    return proto.immediate(503, msgspec.json.encode(error_body(message, "ServiceUnavailableError", 503)))
 
 
 class Stream:

@@ -102,27 +102,27 @@ class Disaggregation:
         self.metrics.pd_decisions.labels(decision, reason).inc()
         return plan
 
-    async def run(self, ex: Exchange) -> str:
+    async def run(self, ex: Exchange) -> bool:
         """Decide; when splitting, prefill and put the returned kv_transfer_params in the payload.
-        Returns the span name of the call that follows (decode call after a split, else upstream)."""
+        True when the request was prefilled elsewhere (the call that follows is a decode call)."""
         assert ex.routed is not None
         plan = self.plan(ex.tokens, ex.routed)
         if plan is None:
-            return names.SPAN_UPSTREAM
+            return False
         ex.span.set_attribute(names.PD_DECISION, plan.decision)
         ex.span.set_attribute(names.PD_REASON, plan.reason)
         ex.facts[names.HEADER_PD_DECISION] = plan.decision
         if plan.decision != SPLIT:
-            return names.SPAN_UPSTREAM
+            return False
         got = await self.prefill(ex, plan)
         if got is None:
             ex.facts[names.HEADER_PD_DECISION] = FALLBACK
-            return names.SPAN_UPSTREAM
+            return False
         params, r = got
         ex.payload["kv_transfer_params"] = params
         ex.facts[names.HEADER_PREFILLED_BY] = r.name
         ex.span.set_attribute(names.PD_PREFILL_REPLICA, r.name)
-        return names.SPAN_DECODE_CALL
+        return True
 
     async def prefill(self, ex: Exchange, plan: PDPlan) -> tuple[dict[str, Any], Backend] | None:
         """Run the remote prefill (the same upstream calls, retries and bookkeeping as any request);

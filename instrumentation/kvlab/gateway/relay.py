@@ -15,6 +15,7 @@ from aiohttp import web
 from opentelemetry.trace import Status, StatusCode
 
 from kvlab.contract import answer_decoder
+from kvlab.errors import error_body
 from kvlab.gateway.endpoints import Backend, Registry
 from kvlab.gateway.exchange import Exchange
 from kvlab.gateway.metrics import GatewayMetrics
@@ -28,7 +29,7 @@ PASSED_THROUGH = (names.HEADER_REPLICA, names.HEADER_KV_TRANSFER_TOKENS, names.H
 
 def error_json(message: str, status: int = 502) -> bytes:
     """The OpenAI-shaped body of an upstream failure (a response body, or an SSE error event's data)."""
-    return msgspec.json.encode({"error": {"message": message, "type": "UpstreamError", "param": None, "code": status}})
+    return msgspec.json.encode(error_body(message, "UpstreamError", status))
 
 
 def upstream_error(message: str, status: int = 502) -> web.Response:

@@ -350,8 +350,8 @@ class Gateway:
             ex.ask_usage()
             if ex.chunk_tokens:   # chunked decoding replaces P/D and retries for this request
                 return await self._chunked(request, ex)
-            name = await self.pd.run(ex)
-            return await self._serve(request, ex, name)
+            prefilled = await self.pd.run(ex)
+            return await self._serve(request, ex, names.SPAN_DECODE_CALL if prefilled else names.SPAN_UPSTREAM)
 
     async def _serve(self, request: web.Request, ex: Exchange, name: str) -> web.StreamResponse:
         """Call the ranked replicas and relay the answer; a replica that fails mid-way is replaced by
@@ -433,7 +433,6 @@ class Gateway:
     async def _chunked(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         """Generation in chunks on the chosen replica (gateway/chunked/, docs/chunked-decoding.md),
         leased for the whole request like any other."""
-        assert self.session is not None
         cand = ex.decision.ranked[0]
         ex.serve(cand)
         lease = self.upstream.lease(cand.replica, ex.work(cand))
@@ -446,8 +445,7 @@ class Gateway:
             ex.record_usage(msgspec.convert(u, Usage), self.metrics.prefix_tokens)
 
         try:
-            resp = await self.chunked.serve(request, ex, self.session, self.upstream.timeout(ex.stream),
-                                            first_token, usage)
+            resp = await self.chunked.serve(request, ex, self.upstream, first_token, usage)
         finally:
             lease.release()
         self.metrics.requests.labels(cand.name, self.policy, str(resp.status)).inc()

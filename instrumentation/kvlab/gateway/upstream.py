@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
+from aiohttp.client import _RequestContextManager
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -112,6 +113,14 @@ class Upstream:
     def lease(self, replica: Backend, work: int) -> Lease:
         return Lease(self.book, replica, work)
 
+    def post(self, r: Backend, path: str, body: bytes, stream: bool,
+             headers: Mapping[str, str] | None = None) -> _RequestContextManager:
+        """The one HTTP call to a replica: a JSON body, the current trace context, the call's timeouts."""
+        assert self.session is not None
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        propagate.inject(sent)
+        return self.session.post(r.url + path, data=body, headers=sent, timeout=self.timeout(stream))
+
     async def call(self, ex: Exchange, ranked: Sequence[Candidate], call: Call,
                    handle: Callable[[Attempt], Awaitable[T | Failure]]) -> T | Failure:
         """Try `ranked` in order; the handler's result for the first replica that answers."""
@@ -130,17 +139,15 @@ class Upstream:
             with self.tracer.start_as_current_span(span_name, kind=SpanKind.CLIENT, attributes=attrs) as up:
                 up.set_attributes({names.REPLICA: r.name, names.ENDPOINT: r.url, names.SCHEDULE_ATTEMPT: index,
                                    names.PREFIX_PREDICTED_TOKENS: cand.prefix_tokens})
-                headers = {"Content-Type": "application/json", **call.headers}
-                propagate.inject(headers)
+                headers = dict(call.headers)
                 pull = ex.routed.pull if ex.routed is not None and call.primary else None
                 if pull is not None and pull.choice == "pull" and pull.target == r.name:
                     headers[names.HEADER_KV_PULL] = pull_hint(pull)
                 lease = self.lease(r, ex.work(cand))
                 try:
                     try:
-                        resp = await asyncio.wait_for(self.session.post(
-                            r.url + call.path, data=call.body, headers=headers, timeout=self.timeout(call.stream)),
-                            self.cfg.timeouts.first_byte_s)
+                        resp = await asyncio.wait_for(self.post(r, call.path, call.body, call.stream, headers),
+                                                      self.cfg.timeouts.first_byte_s)
                     except RETRYABLE as exc:
                         failure = self._failed(up, r, call, "connect", f"{r.name}: {type(exc).__name__}: {exc}")
                         continue

@@ -20,6 +20,7 @@ from kvlab.load.measure import Record, record_of
 from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import OpenLoop, Summary, open_loop, summarize
 from kvlab.load.workloads.trace import Trace
+from kvlab.process import Child
 from kvlab.telemetry.sampling import ratio_env
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # not imported here: it loads gevent
@@ -158,24 +159,24 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
     # the phase's clock starts with Locust's test (it opens requests.jsonl then), not with its start-up,
     # which a busy machine makes long: the minimum and the limit are counted from there
     began: float | None = None
-    with open(out / "locust.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = start + limit_s + stop_timeout(spec, limit_s) + 60
-            while proc.poll() is None:
-                if began is None and jsonl.exists():
-                    began = time.monotonic()
-                elapsed, records = (0.0 if began is None else time.monotonic() - began), tail.poll()
-                if time.monotonic() > deadline:
-                    raise StackError(f"locust did not finish in time; see {out / 'locust.log'}")
-                if progress:
-                    progress(elapsed, records)
-                if bounded and elapsed >= duration_s and (elapsed >= limit_s or (
-                        sum(1 for r in records if not r.error) >= min_requests and (until is None or until(records)))):
-                    break
-                time.sleep(0.25)
-        finally:
-            stop(proc)
+    (out / "locust.log").unlink(missing_ok=True)
+    proc = Child.start("locust", argv, out / "locust.log", env, session=False).popen   # Ctrl-C reaches it too
+    try:
+        deadline = start + limit_s + stop_timeout(spec, limit_s) + 60
+        while proc.poll() is None:
+            if began is None and jsonl.exists():
+                began = time.monotonic()
+            elapsed, records = (0.0 if began is None else time.monotonic() - began), tail.poll()
+            if time.monotonic() > deadline:
+                raise StackError(f"locust did not finish in time; see {out / 'locust.log'}")
+            if progress:
+                progress(elapsed, records)
+            if bounded and elapsed >= duration_s and (elapsed >= limit_s or (
+                    sum(1 for r in records if not r.error) >= min_requests and (until is None or until(records)))):
+                break
+            time.sleep(0.25)
+    finally:
+        stop(proc)
     records = tail.poll()
     ran_s = time.monotonic() - (start if began is None else began)
     if progress:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import plotly.graph_objects as go
@@ -13,11 +11,11 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.results import COLUMNS, Row, cells, kv_path_warning
-from kvlab.compare.sweep import Sweep
 from kvlab.load.measure import Record
 from kvlab.report import figures
 from kvlab.report.html import CSS, PLOT_CONFIG
 from kvlab.report.sweep import sweep_section
+from kvlab.run.document import RunDocument
 
 
 def hit_vs_oracle(rows: list[Row]) -> go.Figure:
@@ -76,25 +74,25 @@ from its cache; <i>oracle</i>: the most any router could get for the same reques
 counted by the replica. docs/compare.md explains every column.</p>"""
 
 
-def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]) -> str:
+def render(document: RunDocument, records: dict[str, dict[str, list[Record]]]) -> str:
     """document: compare.json; records: {workload: {router: requests.jsonl records}}."""
-    meta = " · ".join(html.escape(f"{k}: {document[k]}") for k in ("id", "engine", "replicas", "users", "duration_s",
-                                                                    "seed") if k in document)
-    sections = [sweep_section(msgspec.convert(sw, Sweep)) for sw in document.get("sweeps", {}).values()]
-    for w, section in document["workloads"].items():
-        rows = [Row(**r) for r in section["routers"]]
+    meta = " · ".join(html.escape(f"{k}: {v}") for k in ("id", "engine", "replicas", "users", "duration_s", "seed")
+                      if (v := getattr(document, k)) is not None)
+    sections = [sweep_section(sw) for sw in document.sweeps.values()]
+    for w, section in document.workloads.items():
+        rows = section.routers
         grid = "".join(_div(f) for f in (hit_vs_oracle(rows), ttft(rows), throughput(rows), balance(rows)))
         warnings = "".join(f'<p class="note">{html.escape(x)}</p>' for x in filter(None, map(kv_path_warning, rows)))
-        sections.append(f"<h2>{html.escape(w)}</h2><div class=\"meta\">{html.escape(section['oracle_note'])}</div>"
+        sections.append(f"<h2>{html.escape(w)}</h2><div class=\"meta\">{html.escape(section.oracle_note)}</div>"
                         f"{_table(rows)}{warnings}<div class=\"grid\">{grid}</div>{_div(figures.ttft_cdf(records[w]))}")
-    data = json.dumps(document).replace("</", "<\\/")
+    data = msgspec.json.encode(document).decode().replace("</", "<\\/")
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>kvlab compare {html.escape(document['id'])}</title>
+<html lang="en"><head><meta charset="utf-8"><title>kvlab compare {html.escape(document.id)}</title>
 <style>{CSS}</style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
-<h1>kvlab compare: {html.escape(', '.join(document['routers']))}</h1>
-<div class="meta">{meta}<br>{html.escape(document['command'])}</div>
+<h1>kvlab compare: {html.escape(', '.join(document.routers))}</h1>
+<div class="meta">{meta}<br>{html.escape(document.command or '')}</div>
 {''.join(sections)}
 {NOTES}
 <script type="application/json" id="kvlab-compare">{data}</script>
@@ -102,6 +100,6 @@ def render(document: dict[str, Any], records: dict[str, dict[str, list[Record]]]
 """
 
 
-def write_compare(path: Path, document: dict[str, Any], records: dict[str, dict[str, list[Record]]]) -> Path:
+def write_compare(path: Path, document: RunDocument, records: dict[str, dict[str, list[Record]]]) -> Path:
     path.write_text(render(document, records), encoding="utf-8")
     return path

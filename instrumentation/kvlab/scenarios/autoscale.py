@@ -32,13 +32,13 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
+from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
+from kvlab.run.presets import AUTOSCALE, AUTOSCALE_QUICK
 from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, write_json
 from kvlab.topology import Topology
 
-FULL = {"duration": 90.0, "users": 16}
-QUICK = {"duration": 45.0, "users": 12}
 SETTLE_S = 10.0     # after the ramp, wait at most the scale-down window + this for the floor
 
 
@@ -138,9 +138,9 @@ def _actions_table(actions: list[dict[str, Any]], t0: float) -> Table:
 def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy: str, *, quick: bool = False,
                   duration_s: float | None = None, users: int | None = None, run_dir: Path | None = None) -> Path:
     """The scenario (see the module docstring) with `spec`'s workload, the ramp sized by `duration_s`
-    and peak `users` (defaults: FULL, or QUICK); returns the run dir."""
-    preset = QUICK if quick else FULL
-    ramp = up_hold_down(duration_s or preset["duration"], users or int(preset["users"]))
+    and peak `users` (defaults: AUTOSCALE, or AUTOSCALE_QUICK); returns the run dir."""
+    preset = AUTOSCALE_QUICK if quick else AUTOSCALE
+    ramp = up_hold_down(duration_s or preset.duration_s, users or preset.users)
     spec = msgspec.structs.replace(spec, ramp=ramp, users=ramp.peak, duration_s=ramp.duration_s,
                                    min_requests=0, limit_s=None)
     settings = topology.gateway.autoscale
@@ -183,15 +183,14 @@ def run_autoscale(topology: Topology, spec: BenchSpec, console: Console, policy:
             "samples": timeline.samples, "actions": actions, "users": users_over_time(out)}
     write_json(out / "autoscale.json", data)
     result = summarize_autoscale(timeline.samples, actions, records, ramp)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "scenario": "autoscale", "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": ramp.peak,
-        "duration_s": ramp.duration_s, "quick": quick,
-        "policies": [policy], "phases": {policy: msgspec.to_builtins(summary)}, "autoscale": result,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    write_json(run_dir / "summary.json", document)
+    write_run(run_dir / "summary.json", RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), scenario="autoscale", engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=ramp.peak,
+        duration_s=ramp.duration_s, quick=quick,
+        policies=[policy], phases={policy: summary}, autoscale=result,
+        wall_s=round(time.monotonic() - started, 1),
+    ))
     meta = {"run": run_dir.name, "scenario": "autoscaling under a load ramp", "engine": topology.engine,
             "replicas at start": topology.total_replicas, "workload": spec.workload, "seed": spec.seed,
             "peak users": ramp.peak, "seconds": ramp.duration_s}

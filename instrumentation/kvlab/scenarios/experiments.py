@@ -18,8 +18,7 @@ import yaml
 
 from kvlab.load.measure import Record
 from kvlab.load.summary import Summary
-from kvlab.stack.cli import resolve_topology
-from kvlab.topology import Topology, load_topology
+from kvlab.topology import Topology, load_topology, resolve_topology
 
 # topology -> the policies it compares, first the one the effect is measured against
 EXPERIMENTS = {

@@ -24,9 +24,10 @@ from typing import Any
 
 import aiohttp
 
-from kvlab.stack.launch import HOST, KVLAB, free_port
-from kvlab.stack.process import Child
+from kvlab.process import Child
+from kvlab.stack.launch import HOST, KVLAB, free_port, gateway_args, sim_argv
 from kvlab.telemetry import names
+from kvlab.topology import GatewaySettings
 
 NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
 
@@ -36,8 +37,7 @@ def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None
     """`kvlab engine sim --name NAME FLAGS` on loopback; yields (child, its replicas from the ready JSON)."""
     ready = run_dir / f"ready-{name}.json"
     ready.unlink(missing_ok=True)
-    child = Child.start(name, [*KVLAB, "engine", "sim", "--host", HOST, "--name", name, *flags,
-                               "--ready-file", str(ready)], run_dir / f"{name}.log", {**os.environ, **(env or NO_TRACES)})
+    child = Child.start(name, sim_argv(name, ready, flags), run_dir / f"{name}.log", {**os.environ, **(env or NO_TRACES)})
     try:
         yield child, child.wait_ready_file(ready, 60)["replicas"]
     finally:
@@ -52,12 +52,12 @@ def gateway(run_dir: Path, replicas: list[dict[str, Any]], config: dict[str, Any
     eps = run_dir / f"endpoints-{port}.json"
     eps.write_text(json.dumps({"replicas": replicas}))
     ready = run_dir / f"ready-gateway-{port}.json"
-    argv = [*KVLAB, "gateway", "--host", HOST, "--port", str(port), "--endpoints-file", str(eps),
-            "--policy", policy, "--scrape-interval-ms", "200", "--ready-file", str(ready)]
+    cfg = run_dir / f"gateway-policy-{port}.json"
     if config:
-        cfg = run_dir / f"gateway-policy-{port}.json"
         cfg.write_text(json.dumps(config))
-        argv += ["--config", str(cfg)]
+    argv = [*KVLAB, *gateway_args(GatewaySettings(scrape_interval_ms=200), policy=policy, model=None, host=HOST,
+                                  port=port, config=str(cfg) if config else None),
+            "--endpoints-file", str(eps), "--ready-file", str(ready)]
     child = Child.start("gateway", argv, run_dir / f"gateway-{port}.log", {**os.environ, **(env or NO_TRACES)})
     try:
         child.wait_ready_file(ready, 60)

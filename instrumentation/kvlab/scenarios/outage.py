@@ -31,15 +31,15 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import create
 from kvlab.report import write_report
+from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
+from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
 from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, read_stack, write_json
 from kvlab.stack.supervisor import Restarter
 from kvlab.telemetry import names
 from kvlab.topology import FaultSettings, Topology
 
-FULL = {"duration": 20.0, "users": 8}
-QUICK = {"duration": 10.0, "users": 8}
 LIMIT_S = 120.0     # the phase's default limit: a busy machine restarts the replica slowly
 _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
@@ -180,9 +180,9 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
     outputs plus phase-1-<policy>/outage.json."""
     faults: FaultSettings | None = topology.faults
     assert faults is not None
-    preset = QUICK if quick else FULL
-    spec = msgspec.structs.replace(spec, duration_s=duration_s or preset["duration"],
-                                   users=users or int(preset["users"]), min_requests=0,
+    preset = OUTAGE_QUICK if quick else OUTAGE
+    spec = msgspec.structs.replace(spec, duration_s=duration_s or preset.duration_s,
+                                   users=users or preset.users, min_requests=0,
                                    limit_s=spec.limit_s or LIMIT_S)
     run_dir = run_dir.absolute() if run_dir else new_run_dir("faults")
     console.rule(f"[bold]kvlab lab · a replica lost under load[/bold] {run_dir.name}")
@@ -208,15 +208,14 @@ def run_outage(topology: Topology, spec: BenchSpec, console: Console, policy: st
         with outage, RichDisplay(console, live=live) as display:
             (ran,) = run_phases(stack, spec, [Phase(policy, policy, fresh=False)], run_dir, display, until=outage.done)
     result = outage.save(ran.dir, ran.records)
-    document = {
-        "id": run_dir.name, "run_dir": str(run_dir), "scenario": "faults", "engine": topology.engine,
-        "replicas": topology.total_replicas, "topology": msgspec.to_builtins(topology),
-        "workload": create(spec.workload, seed=spec.seed, params=spec.params).describe(), "users": spec.users,
-        "duration_s": spec.duration_s, "quick": quick, "policies": [policy],
-        "phases": {policy: msgspec.to_builtins(ran.summary)}, "outage": result,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    write_json(run_dir / "summary.json", document)
+    write_run(run_dir / "summary.json", RunDocument(
+        id=run_dir.name, run_dir=str(run_dir), scenario="faults", engine=topology.engine,
+        replicas=topology.total_replicas, topology=msgspec.to_builtins(topology),
+        workload=create(spec.workload, seed=spec.seed, params=spec.params).describe(), users=spec.users,
+        duration_s=spec.duration_s, quick=quick, policies=[policy],
+        phases={policy: ran.summary}, outage=result,
+        wall_s=round(time.monotonic() - started, 1),
+    ))
     meta = {"run": run_dir.name, "scenario": "a replica SIGKILLed under load and restarted", "engine": topology.engine,
             "replicas": topology.total_replicas, "workload": spec.workload, "seed": spec.seed, "users": spec.users}
     report = write_report(run_dir / "report.html", {policy: ran}, meta)

@@ -24,10 +24,10 @@ import msgspec
 from kvlab.config import convert
 from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
+from kvlab.process import Child, stop_recorded
 from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.launch import HOST, KVLAB, child_env, free_port, gateway_args
 from kvlab.stack.local import reset_replicas
-from kvlab.stack.process import Child, stop_recorded
 from kvlab.stack.state import new_run_dir, set_latest, write_json
 from kvlab.topology import Topology
 

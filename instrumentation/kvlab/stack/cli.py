@@ -8,7 +8,6 @@ gone, every process stack.json records, after checking each pid still runs that 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,18 +19,12 @@ from rich.table import Table
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.lifecycle import http_ok, terminate
-from kvlab.stack.process import log_tail, runs_command, stop_recorded
+from kvlab.process import Child, log_tail, runs_command, stop_recorded
 from kvlab.stack.state import new_run_dir, read_stack, runs_dir, set_latest
-from kvlab.topology import builtin, load_topology
+from kvlab.topology import load_topology, resolve_topology
 
 MULTI_COMMAND = True
 console = Console()
-
-
-def resolve_topology(name_or_file: str) -> Path:
-    """A topology file path, or the stem of one shipped in labs/topologies/."""
-    path = Path(name_or_file)
-    return path if path.suffix in {".yaml", ".yml"} or path.exists() else builtin(name_or_file)
 
 
 def _run_dir(arg: str | None) -> Path:
@@ -47,9 +40,7 @@ def up(args: argparse.Namespace) -> int:
     set_latest(run_dir)
     argv = [sys.executable, "-m", "kvlab.stack.supervisor", "--run-dir", str(run_dir), "--topology", str(topo_path)]
     log = run_dir / "supervisor.log"
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    proc = Child.start("supervisor", argv, log).popen
     deadline = time.monotonic() + args.timeout
     with console.status(f"starting {topology.total_replicas} {topology.engine} replicas and the gateway..."):
         while time.monotonic() < deadline:

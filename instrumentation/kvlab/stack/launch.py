@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvlab.lifecycle import free_port
@@ -19,7 +19,7 @@ from kvlab.telemetry.sampling import ratio_env
 from kvlab.topology import GatewaySettings, Pool, SimSettings, Topology, VllmSettings
 
 __all__ = ["HOST", "KVLAB", "child_env", "engine_argv", "free_port", "gateway_args", "otel_env",
-           "sim_args", "vllm_args"]
+           "sim_args", "sim_argv", "vllm_args"]
 
 HOST = "127.0.0.1"
 KVLAB = [sys.executable, "-m", "kvlab.cli"]   # the local prefix of every kvlab child
@@ -67,11 +67,16 @@ def engine_argv(topology: Topology, pool: Pool, name: str, ready_file: Path, log
     return args + vllm_args(topology.vllm, log_dir)
 
 
-def gateway_args(g: GatewaySettings, *, policy: str, model: str, host: str, port: int,
+def sim_argv(name: str, ready_file: Path, flags: Sequence[str]) -> list[str]:
+    """`kvlab engine sim` on loopback with the caller's own flags (an experiment's replicas)."""
+    return [*KVLAB, "engine", "sim", "--host", HOST, "--name", name, *flags, "--ready-file", str(ready_file)]
+
+
+def gateway_args(g: GatewaySettings, *, policy: str, model: str | None, host: str, port: int,
                  config: str | None = None, tokenizer: str | None = None) -> list[str]:
     """`gateway ...` with `policy` (the caller adds its discovery: an endpoints file or kubernetes)."""
-    args = ["gateway", "--host", host, "--port", str(port), "--policy", policy, "--model", model,
-            "--scrape-interval-ms", str(g.scrape_interval_ms)]
+    args = ["gateway", "--host", host, "--port", str(port), "--policy", policy,
+            *(["--model", model] if model else []), "--scrape-interval-ms", str(g.scrape_interval_ms)]
     if config:
         args += ["--config", config]
     if tokenizer:

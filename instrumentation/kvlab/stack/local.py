@@ -12,20 +12,35 @@ from __future__ import annotations
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
 import yaml
 
 from kvlab.errors import StackError
+from kvlab.process import Child
 from kvlab.stack.base import StackInfo
 from kvlab.stack.launch import HOST, KVLAB, child_env, engine_argv, free_port, gateway_args
-from kvlab.stack.process import Child
 from kvlab.stack.prometheus import start_prometheus
 from kvlab.stack.state import set_latest, write_json
-from kvlab.telemetry.sink import choose_trace_target, start_trace_target
+from kvlab.telemetry.sink import TraceTarget, choose_trace_target
 from kvlab.topology import Pool, Topology
+
+
+def start_trace_backend(target: TraceTarget, log: Path, timeout_s: float = 30.0) -> Child | None:
+    """Start the target's process (the sink or Jaeger) and wait until it listens; None when nothing
+    must be started (an external endpoint). The caller stops it by pid."""
+    if target.argv is None:
+        return None
+    target.write_config()
+    child = Child.start("traces", target.argv, log)
+    try:
+        child.wait_http(target.ready_url or "", timeout_s)
+    except StackError as exc:
+        child.stop(5)
+        raise StackError(f"trace backend: {exc}") from None
+    return child
 
 
 def _hostport(url: str) -> str:
@@ -125,14 +140,9 @@ class LocalStack:
         self.traces_dir = target.traces_dir
         if target.query_url:
             self.jaeger = target.query_url
-        if target.argv is not None:
-            log = self.logs / f"{target.kind}.log"
-            try:
-                proc = start_trace_target(target, log)
-            except StackError as exc:
-                raise StackError(f"trace backend: {exc}") from None
-            if proc is not None:
-                self.children.append(Child("traces", list(cast("list[str]", proc.args)), log, proc))
+        child = start_trace_backend(target, self.logs / f"{target.kind}.log")
+        if child is not None:
+            self.children.append(child)
 
     def start_engines(self) -> None:
         """One `kvlab engine` process per pool; waits for every ready JSON."""
@@ -215,12 +225,11 @@ class LocalStack:
         targets = {"replicas": [_hostport(r["url"]) for r in self.replicas],
                    "gateway": [f"{HOST}:{self.gateway_port}"]}
         try:
-            proc = start_prometheus(self.run_dir, targets, port)
+            child = start_prometheus(self.run_dir, targets, port)
         except StackError as exc:
             raise StackError(f"prometheus: {exc}") from None
-        if proc is not None:
-            log = self.run_dir / "prometheus" / "prometheus.log"
-            self.children.append(Child("prometheus", list(cast("list[str]", proc.args)), log, proc))
+        if child is not None:
+            self.children.append(child)
             self.prometheus = f"http://{HOST}:{port}"
         self.write_state()
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import yaml
 
 from kvlab.dashboards import rules
 from kvlab.errors import StackError
-from kvlab.lifecycle import terminate, wait_http
+from kvlab.process import Child
 
 STARTUP_TIMEOUT_S = 30.0
 SD_REFRESH = "1s"    # file_sd re-reads at least this often (besides inotify)
@@ -77,13 +76,13 @@ def scrape_config(jobs: list[str], run_dir: Path, scrape_interval_s: float = 1.0
 
 
 def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
-                     scrape_interval_s: float = 1.0) -> subprocess.Popen[bytes] | None:
+                     scrape_interval_s: float = 1.0) -> Child | None:
     """Start Prometheus on 127.0.0.1:`port` scraping `targets`; None when the binary is absent.
 
     `targets` are the initial ones (job -> ["host:port", ...]); change a job's later with
     `write_targets(run_dir, job, addrs)`.
 
-    The caller owns the process: stop it with `terminate()` then `wait()`. Its log is
+    The caller owns the process: stop it with `stop()`. Its log is
     `run_dir/prometheus/prometheus.log`. StackError if it exits or is not ready in time.
     """
     binary = shutil.which("prometheus")
@@ -105,15 +104,13 @@ def start_prometheus(run_dir: Path, targets: dict[str, list[str]], port: int,
         "--enable-feature=exemplar-storage",
         "--web.enable-lifecycle",
     ]
-    with (home / "prometheus.log").open("ab") as log_fh:
-        proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    child = Child.start("prometheus", argv, home / "prometheus.log")
     try:
-        wait_http(f"http://127.0.0.1:{port}/-/ready", proc, STARTUP_TIMEOUT_S)
+        child.wait_http(f"http://127.0.0.1:{port}/-/ready", STARTUP_TIMEOUT_S)
     except StackError:
-        terminate(proc)
+        child.stop()
         raise
-    return proc
+    return child
 
 
 def active_targets(base_url: str) -> list[dict[str, Any]]:

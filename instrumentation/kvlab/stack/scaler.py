@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from kvlab.contract import Endpoint
 from kvlab.gateway.discovery.file import read_endpoints, write_endpoints
-from kvlab.stack.process import Child
+from kvlab.process import Child
 from kvlab.telemetry import names
 
 log = logging.getLogger(__name__)

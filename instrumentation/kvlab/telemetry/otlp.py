@@ -1,4 +1,4 @@
-"""OTLP/protobuf request bytes written straight from the relay's packed spans (`relay.pack`).
+"""OTLP/protobuf request bytes written straight from the relay's packed spans (`packed.pack`).
 
 The SDK's encoder builds a protobuf message object per span, attribute and value in Python:
 ~83 µs a gateway span, most of the export child's CPU (docs/benchmarks.md, "Tracing cost"). A
@@ -23,7 +23,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from kvlab.telemetry.relay import unpack
+from kvlab.telemetry.packed import unpack
 
 _Packed = Sequence[Any]
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)

@@ -4,7 +4,7 @@ At 100 % sampling the SDK's span costs the serving process more than the request
 every `set_attribute` takes a lock and cleans the value (`BoundedAttributes`), `start_span` builds
 a span with its own lock and limit bookkeeping, `end` copies it into a `ReadableSpan`, and the
 garbage of all that triggers the cyclic GC (docs/benchmarks.md, "Tracing cost"). A server that
-exports through `kvlab.telemetry.relay` needs none of it in-process: the relay's child rebuilds
+exports through `kvlab.telemetry.span_export` needs none of it in-process: the relay's child rebuilds
 `ReadableSpan`s, applies the SDK's attribute cleaning and `OTEL_*_LIMIT`s, and runs the SDK's
 exporters. So `RecorderProvider` implements the API (`TracerProvider`/`Tracer`/`Span`) with plain
 fields and hands each sampled span to the relay as one tuple when it ends.
@@ -37,7 +37,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceSt
 from opentelemetry.trace.status import Status, StatusCode
 from opentelemetry.util import types
 
-from kvlab.telemetry.relay import SpanRelay
+from kvlab.telemetry.span_export import SpanRelay
 
 log = logging.getLogger(__name__)
 

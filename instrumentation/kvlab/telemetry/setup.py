@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
-from importlib.metadata import entry_points
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from kvlab.telemetry.recorder import RecorderProvider
-from kvlab.telemetry.relay import SpanRelay
 from kvlab.telemetry.sampling import sampler_from_env
+from kvlab.telemetry.span_export import SpanRelay, build_exporter
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +68,6 @@ def exporter_names() -> list[str]:
     return names
 
 
-def build_exporter(name: str) -> SpanExporter:
-    """The installed exporter of that entry-point name, configured from the environment."""
-    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
-    if not found:
-        raise LookupError(f"no trace exporter named {name!r} is installed")
-    exporter: SpanExporter = found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
-    return exporter
-
-
 def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
                       attributes: dict[str, str] | None = None,
                       export_process: bool = False) -> TracerProvider | RecorderProvider:
@@ -87,7 +77,7 @@ def configure_tracing(service_name: str, extra: SpanProcessor | None = None,
     `OTEL_RESOURCE_ATTRIBUTES` override. `extra` adds a span processor (tests pass an in-memory
     exporter's processor; the stack process its own OTLP exporter). `export_process` is what
     servers use: spans are recorded by `kvlab.telemetry.recorder` (the API without the SDK's span
-    bookkeeping) and exported by a child process (`kvlab.telemetry.relay`), so that neither
+    bookkeeping) and exported by a child process (`kvlab.telemetry.span_export`), so that neither
     recording nor encoding spans competes with the event loop for the GIL.
     `KVLAB_TRACES_EXPORT_PROCESS` overrides it: `0` the SDK's spans and in-process
     BatchSpanProcessor, `1` recorder + relay, `sdk` the SDK's spans through the relay. An `extra`

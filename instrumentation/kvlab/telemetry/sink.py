@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -41,8 +40,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvlab.errors import StackError
-from kvlab.lifecycle import announce_ready, run, stop_requested, terminate, wait_http
+from kvlab.lifecycle import announce_ready, run, stop_requested
 
 log = logging.getLogger("kvlab.telemetry.sink")
 
@@ -231,7 +229,7 @@ class TraceTarget:
     - `query_url`: a Jaeger query API/UI base URL (kind "jaeger"), for `kvlab traces --jaeger`;
     - `argv`: the process to start (sink or Jaeger), None when nothing must be started;
     - `ready_url`: GET it until 200 to know the backend listens;
-    - `config_file`: a generated Jaeger config, written by `start_trace_target`.
+    - `config_file`: a generated Jaeger config, written by `write_config` before the start.
     """
 
     kind: TraceKind
@@ -242,6 +240,12 @@ class TraceTarget:
     ready_url: str | None = None
     config_file: Path | None = None
     config_text: str | None = field(default=None, repr=False)
+
+    def write_config(self) -> None:
+        """Write the generated config, if any, where `argv` expects it."""
+        if self.config_file is not None and self.config_text is not None:
+            self.config_file.parent.mkdir(parents=True, exist_ok=True)
+            self.config_file.write_text(self.config_text)
 
 
 def _free_port(host: str) -> int:
@@ -305,7 +309,7 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
     `setting`: "off" → no export; an http(s) URL → that OTLP/HTTP endpoint (e.g. a running Jaeger,
     nothing is started); "files" → this sink writing `run_dir/traces/`; "jaeger" → a Jaeger v2
     binary found on PATH (error if absent); "auto" → Jaeger if a `jaeger` binary is on PATH, else
-    the sink. Ports are chosen free now; start the result with `start_trace_target`.
+    the sink. Ports are chosen free now; the stack starts the result (`kvlab.stack.local.start_trace_backend`).
     """
     setting = (setting or "auto").strip()
     run_dir = Path(run_dir)
@@ -332,26 +336,6 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
         argv=[sys.executable, "-m", "kvlab.telemetry.sink", "--host", host, "--port", str(port),
               "--out", str(traces_dir)],
         ready_url=f"http://{host}:{port}/health")
-
-
-def start_trace_target(target: TraceTarget, log_path: Path, timeout_s: float = 30.0) -> subprocess.Popen[bytes] | None:
-    """Start the target's process (sink or Jaeger), logging to `log_path`, and wait until it is
-    ready. None when nothing must be started (off / external endpoint). The caller stops it by pid."""
-    if target.argv is None:
-        return None
-    if target.config_file is not None and target.config_text is not None:
-        target.config_file.parent.mkdir(parents=True, exist_ok=True)
-        target.config_file.write_text(target.config_text)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log_fh:
-        proc = subprocess.Popen(target.argv, stdout=log_fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_http(target.ready_url or "", proc, timeout_s)
-    except StackError:
-        terminate(proc, 5)
-        raise
-    return proc
 
 
 if __name__ == "__main__":

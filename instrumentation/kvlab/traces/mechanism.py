@@ -27,6 +27,7 @@ from kvlab.errors import KvlabError
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.measure import Record
 from kvlab.load.summary import Summary
+from kvlab.run.document import read_run
 from kvlab.run.phases import PhaseResult
 from kvlab.traces import explain
 from kvlab.traces.decision import Decision, decision_of
@@ -228,16 +229,14 @@ def examples_html(decisions: list[Decision]) -> str:
 
 def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[go.Figure], list[Decision]]:
     """The chain, residency and funnel figures of a run (those its data allows) and its decisions."""
-    import json
-
     from kvlab.traces.sources.otlp_files import OtlpFileSource
 
     figs: list[go.Figure] = []
-    doc = json.loads((run_dir / "summary.json").read_text())
-    wl = doc.get("workload") or {}
-    if isinstance(wl, str):          # lab 02 records the workload by name
-        wl = {"name": wl, "seed": doc.get("seed")}
-    block = ((doc.get("topology") or {}).get("sim") or {}).get("block_size") or 16
+    doc = read_run(run_dir / "summary.json")
+    wl = doc.workload or {}
+    if isinstance(wl, str):          # lab 02 recorded the workload by name
+        wl = {"name": wl, "seed": doc.seed}
+    block = ((doc.topology or {}).get("sim") or {}).get("block_size") or 16
     if wl.get("name"):
         prompts = prompt_tokens(wl["name"], int(wl.get("seed") or 0), wl.get("params") or {})
         a = next(((g, t) for g, t in prompts), None)

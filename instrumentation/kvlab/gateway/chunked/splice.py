@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -30,6 +30,7 @@ from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.exchange import Exchange
 from kvlab.gateway.relay import error_json
 from kvlab.gateway.resume import resume_body
+from kvlab.gateway.upstream import Upstream
 from kvlab.telemetry import names
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -105,8 +106,8 @@ class ChunkedDecode:
             q = self.queues[r.name] = SlotQueue(s.slots_per_replica, s.reserved_slots, s.aging_s)
         return q
 
-    async def serve(self, request: web.Request, ex: Exchange, session: aiohttp.ClientSession,
-                    timeout: aiohttp.ClientTimeout, on_first_token: Callable[[], None],
+    async def serve(self, request: web.Request, ex: Exchange, upstream: Upstream,
+                    on_first_token: Callable[[], None],
                     on_usage: Callable[[dict[str, Any]], None]) -> web.StreamResponse:
         """Generate `ex` in chunks on the replica it was routed to (`ex.served`)."""
         assert ex.served is not None
@@ -135,7 +136,7 @@ class ChunkedDecode:
             waited, reason = await q.acquire(rank, tenant)
             try:
                 with self.tracer.start_as_current_span(names.SPAN_CHUNK, kind=SpanKind.CLIENT) as cs:
-                    last, out = await self._call(session, timeout, r, path, body, stream, ident, out, request,
+                    last, out = await self._call(upstream, r, path, body, stream, ident, out, request,
                                                  ex.headers, on_first_token)
                     self._record(cs, r, index, n, waited, reason, rank, tenant, last)
             finally:
@@ -179,16 +180,13 @@ class ChunkedDecode:
         if c.error is not None or c.status != 200:
             cs.set_status(Status(StatusCode.ERROR, f"chunk failed with {c.status}"))
 
-    async def _call(self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout, r: Backend, path: str,
+    async def _call(self, upstream: Upstream, r: Backend, path: str,
                     body: dict[str, Any], stream: bool, ident: dict[str, Any], out: web.StreamResponse | None,
                     request: web.Request, headers: Callable[[], dict[str, str]],
                     on_first_token: Callable[[], None]) -> tuple[_Chunk, web.StreamResponse | None]:
         c = _Chunk()
-        up_headers = {"Content-Type": "application/json"}
-        propagate.inject(up_headers)
         try:
-            async with session.post(r.url + path, data=msgspec.json.encode(body), headers=up_headers,
-                                    timeout=timeout) as resp:
+            async with upstream.post(r, path, msgspec.json.encode(body), stream) as resp:
                 c.status = resp.status
                 if resp.status != 200:
                     c.error = await resp.read()

@@ -13,32 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from kvlab.errors import ConfigError
-from kvlab.stack.kind import gatewayapi, llmd
 from kvlab.stack.kind import objects as o
+from kvlab.stack.kind import plan
+from kvlab.stack.kind.forward import node_port_url
 from kvlab.topology import Topology
 
 if TYPE_CHECKING:
     from kvlab.run.phases import PhaseResult
-
-
-def gateway_api_phases(topology: Topology, cluster: o.Cluster) -> dict[str, list[o.Manifest]]:
-    return {"gateway-api": gatewayapi.standalone(topology, cluster),
-            "llm-d": llmd.llm_d(topology, cluster),
-            "inference-pool": gatewayapi.conformant(topology, cluster)}
-
-
-def crd_steps(cluster: o.Cluster, phase: str) -> list[Any]:
-    """Install the Gateway API and Inference Extension CRDs before a phase that creates their objects."""
-    from kvlab.stack.kind.plan import Step
-
-    if phase not in ("llm-d", "inference-pool"):
-        return []
-    return [Step(action="run", what="install CRDs", argv=["kubectl", "--context", cluster.context, "apply",
-                                                          "--server-side", "-f", url])
-            for url in gatewayapi.CRD_INSTALL]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +60,6 @@ def kind_cluster(context: str, namespace: str) -> o.Cluster:
 
 def print_deploy(phases: list[LabPhase], topology: Topology, cluster: o.Cluster, out: IO[str]) -> None:
     """What must be deployed for `phases`: the `kvlab cluster deploy` command and its steps."""
-    from kvlab.stack.kind import plan
-
     needed = list(dict.fromkeys(["observability", *(p.deploy for p in phases)]))
     steps = []
     built = False
@@ -90,8 +72,6 @@ def print_deploy(phases: list[LabPhase], topology: Topology, cluster: o.Cluster,
 
 def benched(phase: LabPhase) -> str:
     """What a phase does, as the dry-runs say it."""
-    from kvlab.stack.kind.forward import node_port_url
-
     return (f"reset every replica's prefix cache, then bench {node_port_url(phase.target)}/v1 "
             f"(routed by {phase.policy})")
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from kvlab.stack.kind import gatewayapi, llmd
 from kvlab.stack.kind import manifests as m
 from kvlab.stack.kind import objects as o
 from kvlab.topology import Topology
@@ -112,6 +113,21 @@ def _rollout(manifest: dict[str, Any], context: str, timeout_s: float) -> Step:
                 name=manifest["metadata"]["name"], namespace=manifest["metadata"]["namespace"], timeout_s=timeout_s)
 
 
+def gateway_api_phases(topology: Topology, cluster: o.Cluster) -> dict[str, list[o.Manifest]]:
+    return {"gateway-api": gatewayapi.standalone(topology, cluster),
+            "llm-d": llmd.llm_d(topology, cluster),
+            "inference-pool": gatewayapi.conformant(topology, cluster)}
+
+
+def crd_steps(cluster: o.Cluster, phase: str) -> list[Step]:
+    """Install the Gateway API and Inference Extension CRDs before a phase that creates their objects."""
+    if phase not in ("llm-d", "inference-pool"):
+        return []
+    return [Step(action="run", what="install CRDs", argv=["kubectl", "--context", cluster.context, "apply",
+                                                          "--server-side", "-f", url])
+            for url in gatewayapi.CRD_INSTALL]
+
+
 def image_steps(cluster: o.Cluster) -> list[Step]:
     """Build the kvlab image from the repository and load it into every kind node."""
     return [
@@ -124,8 +140,6 @@ def image_steps(cluster: o.Cluster) -> list[Step]:
 
 def deploy(topology: Topology, cluster: o.Cluster, phase: str, build: bool = True) -> list[Step]:
     """Apply one phase (baseline | gateway | observability) and wait until it has rolled out."""
-    from kvlab.stack.kind.phases import crd_steps, gateway_api_phases
-
     rendered = {**m.render(topology, cluster), **gateway_api_phases(topology, cluster)}[phase]
     steps: list[Step] = crd_steps(cluster, phase)
     if build and phase in ("baseline", "gateway", "gateway-api", "inference-pool"):

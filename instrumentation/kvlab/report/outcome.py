@@ -1,4 +1,4 @@
-"""What a lab run leaves behind: runs/<id>/summary.json, report.html and the printed table."""
+"""What a lab run leaves behind: runs/<id>/summary.json (a `RunDocument`), report.html and the printed table."""
 
 from __future__ import annotations
 
@@ -13,19 +13,8 @@ from kvlab.load.summary import Summary
 from kvlab.load.table import summary_table
 from kvlab.report import write_report
 from kvlab.report.html import headline
+from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import PhaseResult
-from kvlab.stack.state import write_json
-
-
-class RunPhases(msgspec.Struct):
-    """The phases of runs/<id>/summary.json (the rest of that document is the scenario's own)."""
-
-    phases: dict[str, Summary] = msgspec.field(default_factory=dict)
-
-
-def read_phases(run_dir: Path) -> dict[str, Summary]:
-    """Each phase's summary from runs/<id>/summary.json, in run order."""
-    return msgspec.json.decode((run_dir / "summary.json").read_bytes(), type=RunPhases).phases
 
 
 def comparison(summaries: Mapping[str, Summary]) -> dict[str, float | None]:
@@ -45,13 +34,14 @@ def comparison(summaries: Mapping[str, Summary]) -> dict[str, float | None]:
     }
 
 
-def finish(console: Console, run_dir: Path, results: list[PhaseResult], document: dict[str, Any],
+def finish(console: Console, run_dir: Path, results: list[PhaseResult], document: RunDocument,
            meta: dict[str, Any], traces: str) -> None:
-    """runs/<id>/summary.json (`document` + phases + comparison) and report.html; prints the table."""
+    """runs/<id>/summary.json (`document` with the phases and their comparison) and report.html;
+    prints the table."""
     phases = {r.phase.name: r for r in results}
     summaries = {p: v.summary for p, v in phases.items()}
-    write_json(run_dir / "summary.json", {**document, "phases": msgspec.to_builtins(summaries),
-                                          "comparison": comparison(summaries)})
+    write_run(run_dir / "summary.json", msgspec.structs.replace(document, phases=summaries,
+                                                                comparison=comparison(summaries)))
     report = write_report(run_dir / "report.html", phases, meta)
     console.print(summary_table(summaries, title="before → after"))
     console.print(f"[bold]{headline(summaries)}[/bold]")

@@ -1,8 +1,11 @@
-"""Child processes of a stack: started in their own session with a log file, stopped by pid.
+"""Every child process kvlab starts (engines, gateways, the trace sink or Jaeger, Prometheus,
+Locust, peers, the supervisor): `Child.start` is the one place a process is started, with its
+argv, environment and log file, and `Child.stop` the one way it is stopped, by its pid.
 
-Stopping signals the child's process group (it leads one, so helpers it spawned go too):
-SIGTERM, then SIGKILL after a grace period. `stop_recorded` stops a process known only from
-stack.json, after checking that the pid still runs the recorded command (pids get reused).
+A child runs in its own session with a log file by default. Stopping signals the child's process
+group (it leads one, so helpers it spawned go too): SIGTERM, then SIGKILL after a grace period.
+`stop_recorded` stops a process known only from stack.json, after checking that the pid still
+runs the recorded command (pids get reused).
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
@@ -49,6 +53,17 @@ def _signal_group(pid: int, sig: int) -> None:
             pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the parent dies, even by SIGKILL (Linux), so a
+    killed parent (the vLLM launcher) never leaves its servers behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Child:
     """One supervised process: name, argv, log file, and its Popen (None if adopted by pid)."""
 
@@ -59,12 +74,31 @@ class Child:
         self.env = env   # what it was started with, so it can be started again the same way
 
     @classmethod
-    def start(cls, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Child:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as fh:
-            proc = subprocess.Popen([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        return cls(name, argv, log, proc, env=env)
+    def start(cls, name: str, argv: list[str], log: Path | None, env: dict[str, str] | None = None, *,
+              session: bool = True, die_with_parent: bool = False) -> Child:
+        """Start `argv` with `env` (None: this process's), stdout and stderr appended to `log` (None:
+        this process's stderr), stdin closed; in a session of its own unless `session` is False (a
+        child that should get the terminal's Ctrl-C with its parent). `die_with_parent`: on Linux the
+        kernel kills it when the starting process dies (only from a process that runs no threads)."""
+        fh: IO[bytes] | None = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(log, "ab")  # noqa: SIM115 (closed below; the child keeps its own descriptor)
+        try:
+            pdeathsig = _die_with_parent if die_with_parent and sys.platform == "linux" else None
+            proc = subprocess.Popen([str(a) for a in argv], stdout=fh or sys.stderr, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=session,
+                                    preexec_fn=pdeathsig)  # noqa: PLW1509
+        finally:
+            if fh is not None:
+                fh.close()
+        return cls(name, argv, log or Path(os.devnull), proc, env=env)
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        """The process object of a child started here (not one adopted by pid)."""
+        assert self.proc is not None, f"{self.name} was adopted by pid, not started here"
+        return self.proc
 
     def alive(self) -> bool:
         if self.proc is not None:

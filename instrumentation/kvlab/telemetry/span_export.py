@@ -23,25 +23,22 @@ import multiprocessing
 import os
 import queue
 import threading
-from collections import deque
-from collections.abc import Sequence
+from importlib.metadata import entry_points
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
-from opentelemetry.trace.status import Status, StatusCode
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from kvlab.telemetry.packed import Packed, pack, unpack
 
 log = logging.getLogger(__name__)
 
 _FLUSH = b"F"     # control messages; a span batch is a msgpack array, never one of these bytes
 _STOP = b"S"
-_Packed = tuple[Any, ...]
 
 
 def _env_number(name: str, default: float) -> float:
@@ -49,41 +46,6 @@ def _env_number(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
     except ValueError:
         return default
-
-
-def pack(span: ReadableSpan) -> _Packed:
-    """The fields OTLP carries, as msgpack-able values (trace ids as 16 bytes, enums as values)."""
-    ctx = span.context
-    parent = span.parent
-    scope = span.instrumentation_scope
-    return (span.name, ctx.trace_id.to_bytes(16, "big"), ctx.span_id, int(ctx.trace_flags),
-            parent.span_id if parent else 0, bool(parent and parent.is_remote), span.kind.value,
-            span.start_time, span.end_time, dict(span.attributes or {}),
-            [(e.name, e.timestamp, dict(e.attributes or {})) for e in span.events],
-            [(ln.context.trace_id.to_bytes(16, "big"), ln.context.span_id, int(ln.context.trace_flags),
-              ln.context.is_remote, dict(ln.attributes or {})) for ln in span.links],
-            span.status.status_code.value, span.status.description,
-            scope.name if scope else "", scope.version if scope else None)
-
-
-def unpack(p: Sequence[Any], resource: Resource, limits: SpanLimits) -> ReadableSpan:
-    """The span again, with the SDK's attribute cleaning and OTEL_*_LIMIT limits applied here
-    (in the child) rather than in the serving process."""
-    (name, trace_id, span_id, flags, parent_id, parent_remote, kind, start, end, attrs,
-     events, links, code, description, scope_name, scope_version) = p
-    trace_id = int.from_bytes(trace_id, "big")
-    length = limits.max_attribute_length
-    return ReadableSpan(
-        name=name, context=SpanContext(trace_id, span_id, False, TraceFlags(flags)),
-        parent=SpanContext(trace_id, parent_id, parent_remote, TraceFlags(flags)) if parent_id else None,
-        resource=resource, attributes=BoundedAttributes(limits.max_span_attributes, attrs, max_value_len=length),
-        events=[Event(n, BoundedAttributes(limits.max_event_attributes, a, max_value_len=length), timestamp=t)
-                for n, t, a in deque(events, maxlen=limits.max_events)],
-        links=[Link(SpanContext(int.from_bytes(t, "big"), s, remote, TraceFlags(f)),
-                    BoundedAttributes(limits.max_link_attributes, a, max_value_len=length))
-               for t, s, f, remote, a in deque(links, maxlen=limits.max_links)],   # the last ones, as the SDK keeps
-        kind=SpanKind(kind), status=Status(StatusCode(code), description),
-        start_time=start, end_time=end, instrumentation_scope=InstrumentationScope(scope_name, scope_version))
 
 
 class _BytesExport:
@@ -140,6 +102,15 @@ class _BytesExport:
         self._exporter.shutdown()
 
 
+def build_exporter(name: str) -> SpanExporter:
+    """The installed exporter of that entry-point name, configured from the environment."""
+    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+    if not found:
+        raise LookupError(f"no trace exporter named {name!r} is installed")
+    exporter: SpanExporter = found[0].load()()   # each reads its endpoint, headers, timeout... from OTEL_* itself
+    return exporter
+
+
 def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dict[str, Any]) -> None:
     """The exporting process: OTLP/HTTP exporters get request bytes from `OtlpEncoder`, any other
     exporter rebuilt spans through the SDK's batch processor."""
@@ -147,7 +118,6 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
 
     from kvlab.lifecycle import settle_gc
     from kvlab.telemetry.otlp import OtlpEncoder
-    from kvlab.telemetry.setup import build_exporter
 
     resource = Resource(resource_attrs)
     limits = SpanLimits()
@@ -208,7 +178,7 @@ class SpanRelay(SpanProcessor):
                                  args=(child, exporter_names, dict(resource.attributes)))
         self._proc.start()
         child.close()
-        self._pending: list[_Packed] = []
+        self._pending: list[Packed] = []
         self._max_queue = int(_env_number("OTEL_BSP_MAX_QUEUE_SIZE", 2048))
         self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
@@ -228,7 +198,7 @@ class SpanRelay(SpanProcessor):
         if span.context.trace_flags.sampled:
             self.add(pack(span))
 
-    def add(self, packed: _Packed) -> None:
+    def add(self, packed: Packed) -> None:
         """Queue one sampled span in `pack`'s format (kvlab.telemetry.recorder's spans come here)."""
         if self._stopped:
             return

@@ -31,16 +31,16 @@ from typing import Any, Protocol
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.relay import Relay
 from kvlab.compare.results import KV_PREFIX, metric_counters
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
+from kvlab.process import Child
 from kvlab.run.phases import Phase
+from kvlab.run.tcp_events import Relay
 from kvlab.stack.base import Stack, StackInfo
 from kvlab.stack.launch import HOST
 from kvlab.stack.local import LocalStack
-from kvlab.stack.process import Child
 from kvlab.topology import Topology
 
 VLLM_ROUTER = ("vllm-router --host {host} --port {port} --worker-urls {url} --policy %s "
