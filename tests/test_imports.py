@@ -25,7 +25,7 @@ LAYERS = [
     ["kvlab.stack"],                                   # processes and clusters
     ["kvlab.run"],                                     # phases, routers, the run document, presets
     ["kvlab.traces", "kvlab.report"],                  # reading a run
-    ["kvlab.lab", "kvlab.scenarios", "kvlab.calibration"],   # drivers
+    ["kvlab.lab", "kvlab.scenarios", "kvlab.calibration", "kvlab.twin"],   # drivers
     ["kvlab.compare"],                                 # the compare driver (takes the lab's spec)
     ["kvlab.cli", "kvlab.notebook", "kvlab.load.cli"],   # entry points
 ]

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from kvlab.load.summary import read_summary
+from kvlab.run.document import read_run
 from kvlab.twin import cli
 from kvlab.twin.cluster import Cluster
 from kvlab.twin.runner import TwinResult, plans, run
@@ -135,7 +136,8 @@ def test_the_command_writes_the_live_runs_files_labelled_as_the_twin(tmp_path):
     rows = doc["workloads"]["shared-prefix"]["routers"]
     assert [r["router"] for r in rows] == ["round-robin", "kv-aware"]
     assert all(0 < r["hit_rate"] <= r["oracle_hit_rate"] + 1e-9 for r in rows)
-    twin = json.loads((out / "twin.json").read_text())
+    twin = doc["twin"]
+    assert read_run(out / "compare.json").scenario == "twin"
     assert twin["information"]["scrape_interval_ms"] == 200.0 and twin["replicas"] == 4
     for page in ("report.html", "compare.html"):
         text = (out / page).read_text()
@@ -160,7 +162,7 @@ def test_a_calibrated_profile_and_a_config_file_drive_the_twin(tmp_path, monkeyp
                       "information: {scrape_interval_ms: 50}\n")
     out = tmp_path / "run"
     assert cli.main(["--config", str(config), "--policy", "round-robin", "--out", str(out)]) == 0
-    doc = json.loads((out / "twin.json").read_text())
+    doc = json.loads((out / "compare.json").read_text())["twin"]
     assert doc["profile"] == "local" and doc["information"]["scrape_interval_ms"] == 50
     assert doc["settings"]["replicas"] == 2 and read_summary(out / "round-robin" / "summary.json").ok == 30
     config.write_text("replicas: 2\nscrape: 50\n")

@@ -2,11 +2,11 @@
 runs/<id>/compare.json (`kvlab compare`), typed like a phase's `Summary`.
 
 Each scenario fills the sections it has (a lab its phases and their comparison, the autoscale
-scenario its `autoscale` result, the faults scenario its `outage`, compare its workloads and
-sweeps) and `write_run` writes it; every reader (the lab's exit check, the report's mechanism
-section, compare.html, the notebooks) gets it back from `read_run`. Every field has a default,
-so documents written before a field existed read back; `workload` is the workload's description,
-or only its name in files lab 02 wrote earlier.
+scenario its `autoscale` result, the faults scenario its `outage`, compare and the twin their
+workloads and sweeps, the twin its settings) and `write_run` writes it; every reader (the lab's
+exit check, the report's mechanism section, compare.html, the notebooks) gets it back from
+`read_run`. Every field has a default, so documents written before a field existed read back;
+`workload` is the workload's description, or only its name in files lab 02 wrote earlier.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class RunDocument(msgspec.Struct, kw_only=True):
     comparison: dict[str, float | None] = msgspec.field(default_factory=dict)   # last phase against the first
     autoscale: dict[str, Any] | None = None  # scenarios/autoscale.py summarize_autoscale
     outage: dict[str, Any] | None = None     # scenarios/outage.py: the replica lost, its restart, the resumes
+    twin: dict[str, Any] | None = None       # kvlab twin: its settings, what the router saw, each run's speed
     workloads: dict[str, Section] = msgspec.field(default_factory=dict)
     slo: Slo | None = None
     sweeps: dict[str, Sweep] = msgspec.field(default_factory=dict)

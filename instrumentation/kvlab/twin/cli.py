@@ -6,7 +6,7 @@
 
 Settings are checked before anything runs (unknown topology, policy, profile, workload or trace
 line; replicas outside 1-128). Writes runs/<id>-twin/: per policy summary.json and requests.jsonl,
-and compare.json, compare.html, report.html, twin.json (docs/twin.md).
+and compare.json (its `twin` section: the settings), compare.html, report.html (docs/twin.md).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
     note = (f"oracle: Belady on one pooled cache of {first.replicas} × {first.num_blocks} blocks"
             if not args.no_oracle else "oracle skipped (--no-oracle)")
-    pages = output.write_run(run_dir, document(results, argv), {r.plan.policy.name: r.summary for r in results},
+    pages = output.write_pages(run_dir, document(results, argv), {r.plan.policy.name: r.summary for r in results},
                              {r.plan.policy.name: r.records for r in results}, rows, note)
     if not args.out:
         set_latest(run_dir)

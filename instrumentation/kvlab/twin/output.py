@@ -1,13 +1,13 @@
 """Everything a twin run writes, through the live runs' own writers, so the two sit side by side.
 
 Per policy: <run>/<policy>/summary.json (the typed `Summary`) and requests.jsonl; for the run:
-report.html (report/html.py) and compare.json / compare.html (report/compare.py, compare.json's
-shape) and twin.json (the settings and what the router saw). Every page says it is from the twin.
+report.html (report/html.py) and compare.json / compare.html (report/compare.py), compare.json the
+typed run document `kvlab compare` writes, with the twin's settings and what the router saw in its
+`twin` section. Every page says it is from the twin.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,12 @@ from kvlab.load.oracle import Oracle
 from kvlab.load.summary import Summary
 from kvlab.report.compare import write_compare
 from kvlab.report.html import write_report
+from kvlab.run.document import RunDocument, Section, write_run
 from kvlab.run.phases import Phase, PhaseResult
 
 SOURCE = "kvlab twin: virtual time, simulated replicas (not a live run)"
 BANNER = (f'<p class="note" style="font-weight:bold">Every figure on this page is from the {SOURCE}; '
           "docs/twin.md says what it models.</p>")
-
-
-def _json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _label(html_path: Path) -> None:
@@ -57,22 +54,24 @@ def compare_row(policy: str, summary: Summary, ceiling: Oracle | None) -> Row:
     return row(policy, False, summary, ceiling, {}, served, {})
 
 
-def write_run(run_dir: Path, document: dict[str, Any], summaries: dict[str, Summary],
-              records: dict[str, list[Record]], rows: list[Row], oracle_note: str) -> dict[str, Path]:
-    """twin.json, compare.json, compare.html and report.html of a run (summaries already written)."""
-    workload = document["workload"]["name"]
-    compare = {**document, "id": run_dir.name, "run_dir": str(run_dir), "engine": "twin", "source": SOURCE,
-               "routers": list(summaries),
-               "workloads": {workload: {"workload": document["workload"], "oracle_note": oracle_note,
-                                        "routers": [msgspec.to_builtins(r) for r in rows]}}}
-    _json(run_dir / "twin.json", document)
-    _json(run_dir / "compare.json", compare)
-    cmp_html = write_compare(run_dir / "compare.html", compare, {workload: records})
+def write_pages(run_dir: Path, twin: dict[str, Any], summaries: dict[str, Summary],
+                records: dict[str, list[Record]], rows: list[Row], oracle_note: str) -> dict[str, Path]:
+    """compare.json (the run document, `twin` its settings), compare.html and report.html of a run
+    whose policies' summaries are already written."""
+    workload = twin["workload"]
+    section = Section(workload=workload, oracle_note=oracle_note, routers=rows)
+    document = RunDocument(id=run_dir.name, run_dir=str(run_dir), scenario="twin", command=twin["command"],
+                           engine="twin", replicas=twin["replicas"], workload=workload, users=twin["users"],
+                           seed=twin["seed"], routers=list(summaries),
+                           workloads={workload["name"]: section},
+                           twin={k: v for k, v in twin.items() if k not in ("command", "workload", "users", "seed")})
+    write_run(run_dir / "compare.json", document)
+    cmp_html = write_compare(run_dir / "compare.html", document, {workload["name"]: records})
     phases = {p: PhaseResult(phase=Phase(p, p), dir=run_dir / p, summary=s, records=records[p])
               for p, s in summaries.items()}
     report = write_report(run_dir / "report.html", phases,
-                          {"run": run_dir.name, "source": SOURCE, "workload": workload,
-                           "replicas": document["replicas"], "seed": document["seed"]})
+                          {"run": run_dir.name, "source": SOURCE, "workload": workload["name"],
+                           "replicas": twin["replicas"], "seed": twin["seed"]})
     for page in (cmp_html, report):
         _label(page)
     return {"compare": cmp_html, "report": report}
