@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require, require_binary
+from conftest import require, require_binary, stop_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
@@ -44,28 +44,6 @@ def shard(name: str) -> list:
 
 
 # ---- execution --------------------------------------------------------------------------------------
-def _stop_everything(runs: Path) -> list[str]:
-    """Stop, by recorded pid, everything under `runs`; returns the processes still alive after."""
-    from kvlab.process import runs_command, stop_recorded
-
-    entries = []
-    for stack_file in runs.rglob("stack.json"):
-        run = stack_file.parent
-        try:
-            stack = json.loads(stack_file.read_text())
-        except ValueError:
-            continue
-        recorded = run / "notebook-processes.json"
-        if recorded.exists():
-            entries += json.loads(recorded.read_text())
-        if stack.get("supervisor"):
-            entries.append({"name": "supervisor", **stack["supervisor"]})
-        entries += list(reversed(stack.get("processes", [])))
-    for e in entries:
-        stop_recorded(e, grace_s=60 if e["name"] == "supervisor" else 10)
-    return [f"{e['name']} {e['pid']}" for e in entries if runs_command(int(e["pid"]), e["argv"])]
-
-
 @contextmanager
 def _runs_env(prefix: str):
     """A fresh runs dir for the kernels (they inherit KVLAB_RUNS_DIR: stacks land there); on exit
@@ -80,7 +58,7 @@ def _runs_env(prefix: str):
             os.environ.pop("KVLAB_RUNS_DIR", None)
         else:
             os.environ["KVLAB_RUNS_DIR"] = old
-        left = _stop_everything(runs)
+        left = stop_everything(runs)
         assert not left, f"processes still running after teardown: {left}"
 
 

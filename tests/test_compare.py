@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require
+from conftest import require, stop_everything
 from kvlab.compare.results import KV_PREFIX, NO_CREDIT, Row, kv_path_warning, metric_counters
 from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
@@ -42,9 +42,15 @@ def has_vllm_router() -> bool:
 
 
 def kvlab(*args: str, cwd: Path, timeout: float = 170) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvlab.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, KVLAB_RUNS_DIR=str(cwd / "runs"),
-                                                    COLUMNS="200"))
+    """`kvlab *args` in `cwd`; if it must be killed, the stack it started is stopped by recorded pid
+    (its replicas run in their own sessions and would outlive it)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "kvlab.cli", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, env=dict(os.environ, KVLAB_RUNS_DIR=str(cwd / "runs"),
+                                                        COLUMNS="200"))
+    except subprocess.TimeoutExpired:
+        stop_everything(cwd)
+        raise
 
 
 # ---- names and templates ---------------------------------------------------------------------------
