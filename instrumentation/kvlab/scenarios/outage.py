@@ -34,8 +34,9 @@ from kvlab.report import write_report
 from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
+from kvlab.stack.base import read_info
 from kvlab.stack.local import LocalStack
-from kvlab.stack.state import new_run_dir, read_stack, write_json
+from kvlab.stack.state import new_run_dir, write_json
 from kvlab.stack.supervisor import Restarter
 from kvlab.telemetry import names
 from kvlab.topology import FaultSettings, Topology
@@ -53,8 +54,8 @@ def pool_replica(run_dir: Path, pool: str) -> dict[str, Any]:
 
 def recorded_pid(run_dir: Path, pool: str) -> int:
     """The pid of `pool`'s engine as stack.json records it (`kvlab up`: the supervisor's child)."""
-    stack = read_stack(Path(run_dir)) or {}
-    return int(next(p["pid"] for p in stack.get("processes", []) if p["name"] == f"engine-{pool}"))
+    stack = read_info(Path(run_dir))
+    return next(p.pid for p in (stack.processes if stack else []) if p.name == f"engine-{pool}")
 
 
 def _get(url: str) -> str | None:
