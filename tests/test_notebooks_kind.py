@@ -58,9 +58,9 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
         _execute(LABS / "02-kv-aware.ipynb", runs.parent / "02-kv-aware-kind.ipynb", overrides=overrides)
 
         run = (runs / "latest").resolve()
-        stack = json.loads((run / "stack.json").read_text())
-        assert stack["target"] == "kind-cpu" and stack["context"] == "kind-kvlab"
-        assert (stack["baseline"], stack["gateway"]) == (service, info.gateway)
+        stack = read_info(run)
+        assert stack is not None and stack.target == "kind-cpu" and stack.context == "kind-kvlab"
+        assert (stack.baseline, stack.gateway) == (service, info.gateway)
         posts = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         per_phase = len(pods) + 1
         assert len(posts) == 2 * per_phase == 10, posts
