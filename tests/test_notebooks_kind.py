@@ -47,7 +47,7 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
         require(up.returncode == 0 and info is not None, f"a simulator stack (kvlab up: {up.stdout[-800:]})")
         assert info is not None
         service = AttachedStack(info).gateway_for("round-robin")     # kube-proxy's stand-in, stopped by pid
-        pods = {f"kvlab-replicas-{i}": r["url"] for i, r in enumerate(info.replicas)}
+        pods = {f"kvlab-replicas-{i}": r.url for i, r in enumerate(info.replicas)}
         refusing = "kvlab-replicas-old"         # a ready pod whose vLLM lacks VLLM_SERVER_DEV_MODE: 404
         log = runs.parent / "pod-proxy.jsonl"
         spec = runs.parent / "fake-cluster.json"
