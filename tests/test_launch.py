@@ -91,6 +91,13 @@ def test_a_stack_json_from_before_the_typed_parts_still_reads(tmp_path):
     assert info.supervisor == ProcessRecord(name="supervisor", pid=42, argv=["python", "-m", "kvlab.stack.supervisor"])
     assert info.replicas == [Endpoint(name="sim-0", url="http://127.0.0.1:8001")]
     assert info.processes[0].log == "/x/gateway.log"
+    # a local topology with a setting this version no longer has: the processes still read
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "id": "older", "run_dir": str(tmp_path), "topology": {"name": "small", "retired_setting": 1},
+        "processes": [{"name": "gateway", "pid": 43, "argv": ["kvlab", "gateway"], "log": ""}]}))
+    info = read_info(tmp_path)
+    assert info is not None and info.topology is None and info.topology_name == "small"
+    assert [p.pid for p in info.processes] == [43]
 
 
 def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvlab.contract import Endpoint
+from kvlab.errors import ConfigError
 from kvlab.lifecycle import write_atomic
 from kvlab.process import ProcessRecord
 from kvlab.topology import Topology
@@ -69,11 +70,24 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 
 def read_info(run_dir: Path) -> StackInfo | None:
     """The stack.json of `run_dir`, written by this version or an earlier one (None: none, or
-    unreadable): the one reader of stack.json."""
+    unreadable): the one reader of stack.json. A topology today's `Topology` no longer accepts (an
+    older version's settings) is dropped, its name kept in `deployed`, so `kvlab down` still finds
+    the processes to stop."""
     try:
         data = msgspec.json.decode((Path(run_dir) / "stack.json").read_bytes())
-        return msgspec.convert(_upgrade(data), StackInfo) if isinstance(data, dict) else None
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+    except (OSError, msgspec.DecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    data = _upgrade(data)
+    try:
+        return msgspec.convert(data, StackInfo)
+    except (msgspec.ValidationError, ConfigError):
+        if not isinstance(data.get("topology"), dict):
+            return None
+    try:
+        return msgspec.convert({**data, "topology": None, "deployed": data["topology"].get("name")}, StackInfo)
+    except msgspec.ValidationError:
         return None
 
 
