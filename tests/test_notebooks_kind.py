@@ -79,7 +79,7 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
             if before:                                                            # and after the last one
                 assert min(p["t"] for p in resets) > max(r["ts"] + r["e2e_ms"] / 1000 for r in before)
             before = records
-            assert {r["replica"] for r in records if not r.get("error")} == {r["name"] for r in info.replicas}
+            assert {r["replica"] for r in records if not r.get("error")} == {r.name for r in info.replicas}
         # the refused reset is said in the notebook, once per phase
         executed = nbformat.read(runs.parent / "02-kv-aware-kind.ipynb", as_version=4)
         text = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
