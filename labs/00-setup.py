@@ -65,12 +65,12 @@ assert sys.version_info >= (3, 10), "kvlab needs Python 3.10 or newer"
 # %%
 started = time.monotonic()
 stack = nb.ensure_stack(TARGET, TOPOLOGY)
-print(f"stack {stack['id']} ready in {time.monotonic() - started:.1f} s — run dir {stack['run_dir']}")
-print(f"gateway     {stack['gateway']}  (policy {stack['policy']})")
-for r in stack["replicas"]:
-    print(f"replica     {r['name']:<8} {r['url']}  KV events {r['kv_events']}")
-print(f"traces      {stack.get('traces_dir') or stack.get('jaeger') or stack.get('otlp_endpoint') or 'off'}")
-print(f"prometheus  {stack.get('prometheus') or 'off'}")
+print(f"stack {stack.id} ready in {time.monotonic() - started:.1f} s — run dir {stack.run_dir}")
+print(f"gateway     {stack.gateway}  (policy {stack.policy})")
+for r in stack.replicas:
+    print(f"replica     {r.name:<8} {r.url}  KV events {r.kv_events}")
+print(f"traces      {stack.traces_dir or stack.jaeger or stack.otlp_endpoint or 'off'}")
+print(f"prometheus  {stack.prometheus or 'off'}")
 
 # %% [markdown]
 # ## 3. Health
@@ -79,14 +79,14 @@ print(f"prometheus  {stack.get('prometheus') or 'off'}")
 # stream (the feed of the block index) is connected.
 
 # %%
-health = {"gateway": requests.get(f"{stack['gateway']}/health", timeout=5).status_code}
-for r in stack["replicas"]:
-    health[r["name"]] = requests.get(f"{r['url']}/health", timeout=5).status_code
+health = {"gateway": requests.get(f"{stack.gateway}/health", timeout=5).status_code}
+for r in stack.replicas:
+    health[r.name] = requests.get(f"{r.url}/health", timeout=5).status_code
 print(health)
-models = requests.get(f"{stack['gateway']}/v1/models", timeout=5).json()
+models = requests.get(f"{stack.gateway}/v1/models", timeout=5).json()
 print("served model:", [m["id"] for m in models["data"]])
 if TARGET == "local":
-    endpoints = requests.get(f"{stack['gateway']}/debug/endpoints", timeout=5).json()
+    endpoints = requests.get(f"{stack.gateway}/debug/endpoints", timeout=5).json()
     for e in endpoints["replicas"]:
         print(f"{e['name']:<8} healthy={e['healthy']}  load={e['load']}  kv-events={e['events']['state']}")
 
@@ -100,13 +100,13 @@ if TARGET == "local":
 
 # %%
 system = " ".join(f"rule {i}: answer briefly and cite the handbook section." for i in range(45))
-body = {"model": stack["model"], "max_tokens": 8, "stream": False,
+body = {"model": stack.model, "max_tokens": 8, "stream": False,
         "messages": [{"role": "system", "content": system},
                      {"role": "user", "content": "What is the return policy?"}]}
 calls = []
 for attempt in ("first (cold)", "second (same prefix)"):
     t0 = time.perf_counter()
-    resp = requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, timeout=60)
+    resp = requests.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=60)
     resp.raise_for_status()
     usage = resp.json()["usage"]
     calls.append({"call": attempt, "ms": (time.perf_counter() - t0) * 1000,
@@ -137,7 +137,7 @@ fig.show()
 # %%
 assert all(code == 200 for code in health.values()), f"something is unhealthy: {health}"
 if TARGET == "local":
-    assert len(stack["replicas"]) >= 2, "the lab needs at least two replicas"
+    assert len(stack.replicas) >= 2, "the lab needs at least two replicas"
 first, second = calls
 assert first["cached"] < first["prompt"] // 2, "the first request should be (mostly) a cache miss"
 assert second["cached"] >= second["prompt"] // 2, "the second request should reuse the cached prefix"

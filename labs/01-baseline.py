@@ -43,7 +43,7 @@ from kvlab.report import figures
 
 nb.setup()
 stack = nb.ensure_stack(TARGET, TOPOLOGY)
-print(f"stack {stack['id']}: {len(stack['replicas'])} replicas, gateway {stack['gateway']}")
+print(f"stack {stack.id}: {len(stack.replicas)} replicas, gateway {stack.gateway}")
 
 # %% [markdown]
 # ## 1. The workload
@@ -140,7 +140,7 @@ if hr.available is not None:
 # %%
 assert s.ok >= 20 and s.errors == 0, f"the load test should complete cleanly: {s.ok} ok, {s.errors} errors"
 counts = list(s.replicas.values())
-assert len(counts) == len(stack["replicas"]) or TARGET != "local", "every replica should have served requests"
+assert len(counts) == len(stack.replicas) or TARGET != "local", "every replica should have served requests"
 assert max(counts) <= 1.5 * min(counts) + 2, f"round-robin should spread evenly: {s.replicas}"
 if TARGET == "local":
     assert hr.available - hr.predicted >= 0.15, "a cache-blind router should leave cache on the table"

@@ -132,7 +132,7 @@ from pathlib import Path
 
 from kvlab.run.document import RunDocument, write_run
 
-run_dir = Path(stack["run_dir"])
+run_dir = Path(stack.run_dir)
 ratios = comparison(summaries)
 write_run(run_dir / "summary.json", RunDocument(id=run_dir.name, run_dir=str(run_dir), policies=list(phases),
                                                 workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED,

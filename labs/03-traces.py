@@ -55,7 +55,7 @@ from kvlab.traces.sources import open_source
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)
-run_dir = Path(stack["run_dir"])
+run_dir = Path(stack.run_dir)
 settings = dict(workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED)
 for policy in ("round-robin", "kv-aware"):     # the phases of labs 01 and 02, or short ones now
     nb.phase(stack, policy, **settings)
@@ -69,7 +69,7 @@ for policy in ("round-robin", "kv-aware"):     # the phases of labs 01 and 02, o
 # `requests.jsonl` (by trace id) to get the client's TTFT.
 
 # %%
-source = open_source(run_dir=run_dir, jaeger=stack.get("jaeger"))
+source = open_source(run_dir=run_dir, jaeger=stack.jaeger)
 traces = source.traces()
 rows = request_hits(traces, load_requests(run_dir))
 print(f"{len(traces)} traces from {source.describe()}; {len(rows)} gateway requests")
@@ -85,8 +85,8 @@ print(f"{len(traces)} traces from {source.describe()}; {len(rows)} gateway reque
 kv_rows = [r for r in rows if r.policy == "kv-aware" and r.available > 0 and r.ttft_ms is not None]
 sample = kv_rows[len(kv_rows) // 2]
 trace = nb.wait_trace(stack, sample.trace_id, (n.SPAN_CLIENT_REQUEST, n.SPAN_SCHEDULE, n.SPAN_ENGINE_PREFILL))
-if stack.get("jaeger"):
-    print(f"open in Jaeger: {stack['jaeger']}/trace/{trace.trace_id}")
+if stack.jaeger:
+    print(f"open in Jaeger: {stack.jaeger}/trace/{trace.trace_id}")
 else:
     print(f"trace {trace.trace_id} — in a terminal: kvlab traces show {trace.trace_id[:12]} --run {run_dir}")
 waterfall_figure(trace).show()
@@ -138,9 +138,9 @@ hitrate_figure(rows).show()
 
 # %%
 def chat(content_system, content_user, max_tokens, headers=None):
-    body = {"model": stack["model"], "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+    body = {"model": stack.model, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
             "messages": [{"role": "system", "content": content_system}, {"role": "user", "content": content_user}]}
-    resp = requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, headers=headers or {}, timeout=120)
+    resp = requests.post(f"{stack.gateway}/v1/chat/completions", json=body, headers=headers or {}, timeout=120)
     resp.raise_for_status()
     return resp
 

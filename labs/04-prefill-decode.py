@@ -54,9 +54,9 @@ from kvlab.traces.figures import waterfall_figure
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)       # stops another topology's stack first
-for r in stack["replicas"]:
-    print(f"{r['name']:<10} role {r['role']:<8} {r['url']}")
-print(f"gateway {stack['gateway']} policy {stack['policy']} (P/D on: the topology has prefill replicas)")
+for r in stack.replicas:
+    print(f"{r.name:<10} role {r.role:<8} {r.url}")
+print(f"gateway {stack.gateway} policy {stack.policy} (P/D on: the topology has prefill replicas)")
 
 # %% [markdown]
 # ## 1. Three requests, three decisions
@@ -69,9 +69,9 @@ print(f"gateway {stack['gateway']} policy {stack['policy']} (P/D on: the topolog
 # %%
 def ask(system, question, max_tokens=16):
     trace_id = os.urandom(16).hex()
-    body = {"model": stack["model"], "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+    body = {"model": stack.model, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    resp = requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, timeout=120,
+    resp = requests.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=120,
                          headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
     resp.raise_for_status()
     h = resp.headers
@@ -176,7 +176,7 @@ from kvlab.traces.sources import open_source
 
 by_reason = defaultdict(int)
 broken = []
-for t in open_source(run_dir=Path(stack["run_dir"]), jaeger=stack.get("jaeger")).traces():
+for t in open_source(run_dir=Path(stack.run_dir), jaeger=stack.jaeger).traces():
     span = t.first(n.SPAN_PD_DECISION)
     if span is None:
         continue

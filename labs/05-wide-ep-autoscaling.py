@@ -59,10 +59,10 @@ from kvlab.traces.sources import open_source
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)       # stops another topology's stack first
-ranks = stack["replicas"]
-print(f"stack {stack['id']}: {len(ranks)} endpoints, gateway policy {stack['policy']}")
+ranks = stack.replicas
+print(f"stack {stack.id}: {len(ranks)} endpoints, gateway policy {stack.policy}")
 for r in ranks:
-    print(f"  {r['name']:<10} replica {r['replica']} rank {r['dp_rank']}  {r['url']}")
+    print(f"  {r.name:<10} replica {r.replica} rank {r.dp_rank}  {r.url}")
 
 # %% [markdown]
 # ## 1. Rank-blind vs DP-aware
@@ -110,7 +110,7 @@ figures.requests_per_replica(records).show()
 # (`kvlab.dp.wait_busiest_ms`) and how unbalanced the experts were (`kvlab.moe.imbalance`).
 
 # %%
-source = open_source(run_dir=Path(stack["run_dir"]), jaeger=stack.get("jaeger"))
+source = open_source(run_dir=Path(stack.run_dir), jaeger=stack.jaeger)
 reasons = defaultdict(Counter)
 wait = defaultdict(list)
 imbalance = defaultdict(list)
@@ -165,7 +165,7 @@ for s in siblings:
 # wide-EP stack is stopped first to give it the CPU.
 
 # %%
-nb.stop_stack(Path(stack["run_dir"]))
+nb.stop_stack(Path(stack.run_dir))
 run = nb.run_lab(["--topology", "autoscale", "--duration", str(RAMP_S), "--users", str(RAMP_USERS),
                   "--seed", str(SEED)], "autoscale")
 result = read_run(run / "summary.json").autoscale

@@ -45,7 +45,7 @@ from kvlab.report.html import headline
 
 nb.setup()
 stack = nb.ensure_stack(TARGET, TOPOLOGY)
-run_dir = Path(stack["run_dir"])
+run_dir = Path(stack.run_dir)
 settings = dict(workload=WORKLOAD, users=USERS, duration_s=DURATION_S, seed=SEED)
 phases = {p: nb.phase(stack, p, **settings) for p in ("round-robin", "kv-aware")}
 dashboards = Path(nb.__file__).resolve().parents[2] / "dashboards"     # the repository's dashboards/
@@ -82,10 +82,10 @@ display(FileLink(str(report.relative_to(Path.cwd())) if report.is_relative_to(Pa
 # %%
 uids = {"before-after": "kvlab-before-after", "routing": "kvlab-routing", "replicas": "kvlab-replicas",
         "pd-dp": "kvlab-pd-dp"}
-if stack.get("grafana"):
+if stack.grafana:
     for name, uid in uids.items():
-        print(f"{name:<13} {stack['grafana']}/d/{uid}")
-print("prometheus:", stack.get("prometheus") or "not running (install the `prometheus` binary to get metrics locally)")
+        print(f"{name:<13} {stack.grafana}/d/{uid}")
+print("prometheus:", stack.prometheus or "not running (install the `prometheus` binary to get metrics locally)")
 
 # %%
 records = [r for v in phases.values() for r in v.records]
@@ -97,10 +97,10 @@ panels = [("before-after", "TTFT p50 / p95 by policy (gateway)"),
           ("replicas", "Engine prefix-cache hit rate"),
           ("replicas", "Waiting (queue)")]
 shown = {}
-if stack.get("prometheus"):
+if stack.prometheus:
     time.sleep(max(0.0, end - time.time()))          # let the last scrapes of the window land
     for board, title in panels:
-        fig = nb.dashboard_panel(stack["prometheus"], dashboards / f"{board}.json", title, start, end)
+        fig = nb.dashboard_panel(stack.prometheus, dashboards / f"{board}.json", title, start, end)
         shown[title] = fig
         fig.show()
 
@@ -125,7 +125,7 @@ if stack.get("prometheus"):
 
 # %%
 assert report.exists() and "plotly" in report.read_text()[:200_000].lower(), "the report should embed plotly"
-if stack.get("prometheus"):
+if stack.prometheus:
     ttft = shown["TTFT p50 / p95 by policy (gateway)"]
     names = {t.name for t in ttft.data}
     assert any(x.startswith("kv-aware") for x in names), f"the gateway's TTFT by policy should include kv-aware: {names}"
@@ -137,7 +137,7 @@ if stack.get("prometheus"):
     if "round-robin delivered" in hit:   # averaged over each phase's points
         assert hit["kv-aware delivered"] > hit["round-robin delivered"], f"kv-aware should deliver more cache: {hit}"
     assert shown["Engine prefix-cache hit rate"].data, "the engines' hit rate should have series"
-print("✓ report written; dashboards read from the stack's Prometheus" if stack.get("prometheus") else "✓ report written")
+print("✓ report written; dashboards read from the stack's Prometheus" if stack.prometheus else "✓ report written")
 
 # %% [markdown]
 # ## Troubleshooting

@@ -57,9 +57,9 @@ from kvlab.telemetry import names as n
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)       # stops another topology's stack first
-for r in stack["replicas"]:
-    print(f"{r['name']:<10} {r['url']}")
-print(f"gateway {stack['gateway']} policy {stack['policy']}")
+for r in stack.replicas:
+    print(f"{r.name:<10} {r.url}")
+print(f"gateway {stack.gateway} policy {stack.policy}")
 
 # %% [markdown]
 # ## 1. One replica, one prompt, two tiers
@@ -68,7 +68,7 @@ print(f"gateway {stack['gateway']} policy {stack['policy']}")
 # (vLLM's connector stores on compute), so when the GPU pool evicts A, A is still one load away.
 
 # %%
-replica = stack["replicas"][0]
+replica = stack.replicas[0]
 
 
 def counters(url):
@@ -87,21 +87,21 @@ def counters(url):
 def ask(url, prompt):
     trace_id = os.urandom(16).hex()
     resp = requests.post(f"{url}/v1/completions", timeout=120,
-                         json={"model": stack["model"], "prompt": prompt, "max_tokens": 4},
+                         json={"model": stack.model, "prompt": prompt, "max_tokens": 4},
                          headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
     resp.raise_for_status()
     return trace_id, resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-requests.post(f"{replica['url']}/reset_prefix_cache", timeout=10).raise_for_status()
+requests.post(f"{replica.url}/reset_prefix_cache", timeout=10).raise_for_status()
 tag = os.urandom(3).hex()
 A, B, C = (f"[{tag}-{x}] " + " ".join(f"line {i} of document {x}." for i in range(150)) for x in "ABC")
-before = counters(replica["url"])
-ask(replica["url"], A)
-ask(replica["url"], B)
-ask(replica["url"], C)
-trace_a, cached_a = ask(replica["url"], A)
-after = counters(replica["url"])
+before = counters(replica.url)
+ask(replica.url, A)
+ask(replica.url, B)
+ask(replica.url, C)
+trace_a, cached_a = ask(replica.url, A)
+after = counters(replica.url)
 tier_demo = {k: after[k] - before[k] for k in after}
 print(f"A again: cached_tokens {cached_a}; of the run's hits {tier_demo['gpu']:.0f} tokens on GPU, "
       f"{tier_demo['cpu']:.0f} loaded from CPU")
@@ -128,9 +128,9 @@ settings = dict(workload=WORKLOAD, params={"groups": GROUPS, "system_tokens": SY
 tiers = {}
 phases = {}
 for policy in ("kv-aware-gpu-only", "kv-aware"):
-    start = {r["name"]: counters(r["url"]) for r in stack["replicas"]}
+    start = {r.name: counters(r.url) for r in stack.replicas}
     phases[policy] = nb.run_phase(stack, policy, **settings)
-    end = {r["name"]: counters(r["url"]) for r in stack["replicas"]}
+    end = {r.name: counters(r.url) for r in stack.replicas}
     tiers[policy] = {k: sum(end[r][k] - start[r][k] for r in end) for k in ("gpu", "cpu", "queries")}
 summaries = {p: v.summary for p, v in phases.items()}
 console.print(summary_table(summaries, title="tier-blind → tier-aware"))
@@ -171,7 +171,7 @@ import numpy as np
 
 from kvlab.traces.sources import open_source
 
-nb.stop_stack(Path(stack["run_dir"]))
+nb.stop_stack(Path(stack.run_dir))
 pull_run = nb.run_lab(["--topology", "pull", "--policies", "kv-aware,kv-aware-pull", "--duration", str(DURATION_S),
                        "--users", str(PULL_USERS), "--seed", str(SEED)], "pull")
 ttft_by = defaultdict(list)      # (policy, what happened) -> gateway TTFT in ms

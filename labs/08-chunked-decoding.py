@@ -58,9 +58,9 @@ from kvlab.telemetry import names as n
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)       # stops another topology's stack first
-for r in stack["replicas"]:
-    print(f"{r['name']:<10} {r['url']}")
-print(f"gateway {stack['gateway']} policy {stack['policy']}")
+for r in stack.replicas:
+    print(f"{r.name:<10} {r.url}")
+print(f"gateway {stack.gateway} policy {stack.policy}")
 
 # %% [markdown]
 # ## 1. One long generation, chunk by chunk
@@ -71,12 +71,12 @@ print(f"gateway {stack['gateway']} policy {stack['policy']}")
 # %%
 trace_id = os.urandom(16).hex()
 prompt = f"[{os.urandom(3).hex()}] " + "write a long story about the lighthouse keeper and the storm " * 12
-body = {"model": stack["model"], "messages": [{"role": "user", "content": prompt}], "max_tokens": 160,
+body = {"model": stack.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 160,
         "min_tokens": 160, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 headers = {n.HEADER_CHUNK_TOKENS: "32", n.HEADER_PRIORITY: "low",
            "traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
 events = []
-with requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=120) as resp:
+with requests.post(f"{stack.gateway}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=120) as resp:
     resp.raise_for_status()
     for line in resp.iter_lines():
         if line.startswith(b"data: ") and line != b"data: [DONE]":
@@ -103,9 +103,9 @@ for s in chunks:
 # after `/reset_prefix_cache`.
 
 # %%
-replica = stack["replicas"][0]["url"]
+replica = stack.replicas[0].url
 long_prompt = f"[{os.urandom(3).hex()}] " + "the harbour master logs every ship that enters the bay " * 150
-first = {"model": stack["model"], "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 300,
+first = {"model": stack.model, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 300,
          "min_tokens": 300, "ignore_eos": True}
 answer = requests.post(f"{replica}/v1/chat/completions", json=first, timeout=120).json()
 resumed = {**resume_body(first, "chat", answer["choices"][0]["message"]["content"]), "max_tokens": 1, "min_tokens": 1}
@@ -183,7 +183,7 @@ fig.show()
 # resumed chunks that hit or missed their replica's cache, and the queue time per class.
 
 # %%
-metrics = requests.get(f"{stack['gateway']}/metrics", timeout=10).text
+metrics = requests.get(f"{stack.gateway}/metrics", timeout=10).text
 chunk_lines = [line for line in metrics.splitlines() if line.startswith(("kvlab_gateway_chunks_total",
                "kvlab_gateway_chunk_holds_total", "kvlab_gateway_chunk_resumes_total"))]
 print("\n".join(chunk_lines))

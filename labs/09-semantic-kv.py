@@ -56,7 +56,7 @@ console = Console(width=110)
 topology = load_topology(builtin(TOPOLOGY))
 WORKLOAD, PARAMS = topology.workload.name, dict(topology.workload.params)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)
-print(f"{len(stack['replicas'])} replicas, {topology.sim.num_blocks} blocks of {topology.sim.block_size} tokens each, "
+print(f"{len(stack.replicas)} replicas, {topology.sim.num_blocks} blocks of {topology.sim.block_size} tokens each, "
       f"pinned share ≤ {topology.sim.typed_retention:.0%}; workload {WORKLOAD} {PARAMS}")
 
 # %% [markdown]
@@ -87,8 +87,8 @@ def class_counters() -> dict[str, dict[str, float]]:
     wanted = {n.KVLAB_SIM_BLOCK_QUERIES + "_total": "queries", n.KVLAB_SIM_BLOCK_HITS + "_total": "hits",
               n.KVLAB_SIM_EVICTIONS + "_total": "evictions"}
     out: dict[str, dict[str, float]] = {k: dict.fromkeys(CLASSES, 0.0) for k in wanted.values()}
-    for r in stack["replicas"]:
-        with urllib.request.urlopen(f"{r['url']}/metrics", timeout=5) as resp:
+    for r in stack.replicas:
+        with urllib.request.urlopen(f"{r.url}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         for family in text_string_to_metric_families(text):
             for s in family.samples:

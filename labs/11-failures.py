@@ -65,11 +65,11 @@ from kvlab.traces.figures import waterfall_figure
 nb.setup()
 console = Console(width=110)
 stack = nb.ensure_stack(TARGET, TOPOLOGY)       # stops another topology's stack first
-run = Path(stack["run_dir"])
-settings, workload = stack["topology"]["faults"], stack["topology"]["workload"]
-for r in stack["replicas"]:
-    print(f"{r['name']:<4} {r['url']}")
-print(f"gateway {stack['gateway']} policy {stack['policy']}; supervisor pid {stack['supervisor']['pid']}")
+run = Path(stack.run_dir)
+settings, workload = stack.topology.faults, stack.topology.workload
+for r in stack.replicas:
+    print(f"{r.name:<4} {r.url}")
+print(f"gateway {stack.gateway} policy {stack.policy}; supervisor pid {stack.supervisor.pid}")
 
 # %% [markdown]
 # ## 1. Kill replica b under load
@@ -87,14 +87,14 @@ print(f"gateway {stack['gateway']} policy {stack['policy']}; supervisor pid {sta
 # The phase runs until b has been back for `AFTER_RESTART` requests.
 
 # %%
-victim = ot.pool_replica(run, settings["kill"])
-watch = ot.Outage(stack["gateway"], victim, lambda: ot.recorded_pid(run, settings["kill"]),
+victim = ot.pool_replica(run, settings.kill)
+watch = ot.Outage(stack.gateway, victim, lambda: ot.recorded_pid(run, settings.kill),
                   after_requests=AFTER_REQUESTS, after_restart=AFTER_RESTART)
 with watch:
-    loss = nb.run_phase(stack, stack["policy"], workload=workload["name"], params=workload["params"], users=USERS,
+    loss = nb.run_phase(stack, stack.policy, workload=workload.name, params=workload.params, users=USERS,
                         duration_s=DURATION_S, seed=SEED, until=watch.done, limit_s=LIMIT_S)
 result = watch.save(loss.dir, loss.records)      # also phase-N-kv-aware/outage.json
-table = Table(title=f"replica {victim['name']} SIGKILLed under load")
+table = Table(title=f"replica {victim.name} SIGKILLed under load")
 for c in ("requests", "failed", "in flight on b at the kill", "resumes (by reason)", "b down (s)",
           "served by b after its restart"):
     table.add_column(c, justify="right")
@@ -213,11 +213,11 @@ otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": hole.url, "OTEL_BSP_SCHEDULE_DELAY": "100
 latency: dict[str, list[float]] = {"traces to the stack's backend": [], "traces to a black hole": []}
 statuses = []
 try:
-    with faults.gateway(run, stack["replicas"], env=otel) as (_, black_hole_url):
+    with faults.gateway(run, stack.replicas, env=otel) as (_, black_hole_url):
         for i in range(TRACE_REQUESTS):      # alternate, so both see the same machine
-            for label, url in zip(latency, (stack["gateway"], black_hole_url)):
+            for label, url in zip(latency, (stack.gateway, black_hole_url)):
                 t0 = time.perf_counter()
-                resp = requests.post(f"{url}/v1/completions", json={"model": stack["model"], "prompt": f"trace me {i}",
+                resp = requests.post(f"{url}/v1/completions", json={"model": stack.model, "prompt": f"trace me {i}",
                                                                    "max_tokens": 2}, timeout=30)
                 latency[label].append((time.perf_counter() - t0) * 1000)
                 statuses.append(resp.status_code)

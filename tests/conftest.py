@@ -206,20 +206,19 @@ def stop_everything(runs: Path) -> list[str]:
     """Stop, by recorded pid, every stack under `runs` (stack.json: supervisor, processes; a notebook's
     own runs); returns the processes still alive after. For a kvlab command a test had to kill."""
     from kvlab.process import runs_command, stop_recorded
+    from kvlab.stack.attached import recorded
+    from kvlab.stack.base import read_info
 
     entries = []
     for stack_file in runs.rglob("stack.json"):
         run = stack_file.parent
-        try:
-            stack = json.loads(stack_file.read_text())
-        except ValueError:
+        stack = read_info(run)
+        if stack is None:
             continue
-        recorded = run / "notebook-processes.json"
-        if recorded.exists():
-            entries += json.loads(recorded.read_text())
-        if stack.get("supervisor"):
-            entries.append({"name": "supervisor", **stack["supervisor"]})
-        entries += list(reversed(stack.get("processes", [])))
+        entries += recorded(run)
+        if stack.supervisor is not None:
+            entries.append(stack.supervisor)
+        entries += list(reversed(stack.processes))
     for e in entries:
-        stop_recorded(e, grace_s=60 if e["name"] == "supervisor" else 10)
-    return [f"{e['name']} {e['pid']}" for e in entries if runs_command(int(e["pid"]), e["argv"])]
+        stop_recorded(e, grace_s=60 if e.name == "supervisor" else 10)
+    return [f"{e.name} {e.pid}" for e in entries if runs_command(e.pid, e.argv)]

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlab.contract import Endpoint
 from kvlab.scenarios import faults
 
 
@@ -74,13 +75,13 @@ def _dechunk(data: bytes) -> bytes:
 @dataclass
 class Stack:
     sim: subprocess.Popen
-    replicas: list[dict]
+    replicas: list[Endpoint]
     gateway: subprocess.Popen
     gateway_port: int
 
     @property
     def sim_port(self) -> int:
-        return int(self.replicas[0]["url"].rsplit(":", 1)[1])
+        return int(self.replicas[0].url.rsplit(":", 1)[1])
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.ramp import Ramp, up_hold_down
 from kvlab.report.autoscale import FIGURE_ID, section
+from kvlab.stack.base import read_info
 from kvlab.stack.prometheus import scrape_config, targets_file, write_targets
 from kvlab.telemetry import names
 
@@ -165,8 +166,8 @@ def test_prometheus_scraped_the_added_replica(run, tmp_path):
     from kvlab.dashboards.verify import query_range
     from kvlab.stack.prometheus import start_prometheus
 
-    stack = json.loads((run / "stack.json").read_text())
-    assert stack["prometheus"], "the run had no Prometheus"
+    stack = read_info(run)
+    assert stack is not None and stack.prometheus, "the run had no Prometheus"
     policy = yaml.safe_load((run / "gateway-policy.yaml").read_text())
     assert policy["autoscale"]["max_replicas"] == 3
     data = json.loads((run / "phase-1-kv-aware" / "autoscale.json").read_text())

@@ -14,12 +14,14 @@ import pytest
 
 from conftest import require, stop_everything
 from kvlab.compare.results import KV_PREFIX, NO_CREDIT, Row, kv_path_warning, metric_counters
+from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
 from kvlab.process import runs_command
 from kvlab.run.routers import commands, render, resolve
+from kvlab.stack.base import read_info
 
 TOPOLOGY = """
 name: compare-test
@@ -33,8 +35,8 @@ workload: {name: shared-prefix, params: {groups: 6, system_tokens: 500, prompts_
 """
 MINE = ("mine=vllm-router --host {host} --port {port} --worker-urls {url} --policy round_robin "
         "--prometheus-port {metrics_port}")
-REPLICAS = [{"name": "sim-0", "url": "http://h:1", "kv_events": "tcp://h:11"},
-            {"name": "sim-1", "url": "http://h:2", "kv_events": "tcp://h:12"}]
+REPLICAS = [Endpoint(name="sim-0", url="http://h:1", kv_events="tcp://h:11"),
+            Endpoint(name="sim-1", url="http://h:2", kv_events="tcp://h:12")]
 
 
 def has_vllm_router() -> bool:
@@ -176,11 +178,11 @@ def test_compare_writes_the_html_report_and_stops_every_router(compared):
     _, run = compared
     page = (run / "compare.html").read_text()
     assert "Plotly" in page and "vllm-router:cache_aware" in page and "Hit rate vs the oracle" in page
-    stack = json.loads((run / "stack.json").read_text())
-    assert stack["status"] == "stopped"
+    stack = read_info(run)
+    assert stack is not None and stack.status == "stopped"
     logs = sorted(p.name for p in (run / "logs").iterdir())
     assert "router-vllm-router-cache_aware.log" in logs and "router-mine.log" in logs
-    assert not any(runs_command(p["pid"], p["argv"]) for p in stack["processes"])
+    assert not any(runs_command(p.pid, p.argv) for p in stack.processes)
 
 
 @pytest.mark.processes

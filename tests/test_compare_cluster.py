@@ -91,7 +91,7 @@ def compared(tmp_path_factory):
             faults.gateway(root, replicas, policy="round-robin") as (_, service), \
             faults.gateway(root, replicas, policy="kv-aware") as (_, gateway):
         core = FakeCore([pod(PODS[0]), pod(PODS[1]), pod("kvlab-replicas-c", ready=False)],
-                        {PODS[0]: replicas[0]["url"], PODS[1]: replicas[1]["url"]})
+                        {PODS[0]: replicas[0].url, PODS[1]: replicas[1].url})
         entries = {"baseline": service, "llm-d": service, "gateway-api": gateway, "gateway": gateway}
 
         def no_jaeger(*args, **kwargs):

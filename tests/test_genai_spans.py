@@ -10,13 +10,13 @@ span may still carry a kvlab.* name the conventions now define.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvlab.stack.base import read_info
 from kvlab.telemetry import names as n
 from kvlab.traces.sources.otlp_files import OtlpFileSource
 
@@ -38,7 +38,8 @@ def run(tmp_path_factory) -> Path:
 
 def test_genai_spans_of_a_lab_run(run: Path):
     traces = OtlpFileSource(run / "traces").traces()
-    model = json.loads((run / "stack.json").read_text()).get("model") or None
+    info = read_info(run)
+    model = info.model if info is not None else None
     spans = [s for t in traces for s in t]
     by_role = {role: [s for s in spans if s.role == role] for role in GENAI_ROLES}
     assert all(by_role.values()), {r: len(v) for r, v in by_role.items()}

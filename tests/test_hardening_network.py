@@ -75,8 +75,8 @@ def test_local_stack_with_vllm_listens_on_loopback_only_and_aborts_dropped_strea
     with LocalStack(load_topology(_topology(tmp_path, "vllm")), tmp_path / "run") as stack:
         stack.start()
         assert _exposed(stack) == []
-        assert stack.replicas[0]["kv_events"].startswith("ipc://")
-        replica = stack.replicas[0]["url"]
+        assert (stack.replicas[0].kv_events or "").startswith("ipc://")
+        replica = stack.replicas[0].url
 
         def engine_running() -> None:
             deadline = time.monotonic() + 30

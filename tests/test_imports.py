@@ -27,7 +27,7 @@ LAYERS = [
     ["kvlab.traces", "kvlab.report"],                  # reading a run
     ["kvlab.lab", "kvlab.scenarios", "kvlab.calibration", "kvlab.twin"],   # drivers
     ["kvlab.compare"],                                 # the compare driver (takes the lab's spec)
-    ["kvlab.cli", "kvlab.notebook", "kvlab.load.cli"],   # entry points
+    ["kvlab.cli", "kvlab.notebook", "kvlab.load.cli", "kvlab.load.locustfile"],   # entry points (locust runs the locustfile)
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.process import runs_command
+from kvlab.stack.base import read_info
 from kvlab.telemetry import names
 
 pytestmark = pytest.mark.slow
@@ -89,11 +90,11 @@ def test_run_dir_has_the_report_per_phase_files_and_one_trace_per_request(lab):
         records = [json.loads(x) for x in (run_dir / phase / "requests.jsonl").read_text().splitlines()]
         assert records and all(r["policy"] == phase.split("-", 2)[2] for r in records)
         assert all(r["available_tokens"] is not None and r["predicted_tokens"] is not None for r in records)
-    stack = json.loads((run_dir / "stack.json").read_text())
-    assert stack["status"] == "stopped"
-    assert not any(runs_command(int(p["pid"]), p["argv"]) for p in stack["processes"])
-    if stack["traces_dir"]:   # the client's span is the root of a trace that reaches the replica
+    stack = read_info(run_dir)
+    assert stack is not None and stack.status == "stopped"
+    assert not any(runs_command(p.pid, p.argv) for p in stack.processes)
+    if stack.traces_dir:   # the client's span is the root of a trace that reaches the replica
         record = json.loads((run_dir / "phase-2-kv-aware" / "requests.jsonl").read_text().splitlines()[-1])
-        spans = spans_of(Path(stack["traces_dir"]), record["trace_id"])
+        spans = spans_of(Path(stack.traces_dir), record["trace_id"])
         assert "client.request" in spans.get("kvlab-locust", set())
         assert "gateway.request" in spans.get("kvlab-gateway", set())

@@ -3,10 +3,13 @@ local stack, the notebooks' gateways and the kind manifests alike; the stack.jso
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
 
+from kvlab.contract import Endpoint
+from kvlab.process import ProcessRecord
 from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.kind.manifests import gateway, replica_deployment
 from kvlab.stack.kind.objects import Cluster
@@ -57,12 +60,44 @@ def test_child_env_drops_the_shells_exporter_and_exports_to_the_stack_or_nowhere
 
 
 def test_stack_info_round_trips_through_stack_json(tmp_path):
-    info = StackInfo(id="x", run_dir=str(tmp_path), target="kind-cpu", topology={"name": "quickstart"},
+    info = StackInfo(id="x", run_dir=str(tmp_path), target="kind-cpu", deployed="quickstart",
                      gateway="http://127.0.0.1:30081", baseline="http://127.0.0.1:30080", context="kind-kvlab")
     info.write()
-    assert read_info(tmp_path) == info
+    assert read_info(tmp_path) == info and info.topology_name == "quickstart"
+    local = StackInfo(id="y", run_dir=str(tmp_path), topology=Topology(name="small"),
+                      replicas=[Endpoint(name="sim-0", url="http://127.0.0.1:8001", kv_events="tcp://127.0.0.1:5557")],
+                      supervisor=ProcessRecord(name="supervisor", pid=7, argv=["python", "-m", "x"]),
+                      processes=[ProcessRecord(name="gateway", pid=8, argv=["kvlab", "gateway"], log="g.log")])
+    local.write()
+    back = read_info(tmp_path)
+    assert back == local and back is not None and back.replicas[0].kv_events == "tcp://127.0.0.1:5557"
     (tmp_path / "stack.json").write_text("{not json")
     assert read_info(tmp_path) is None
+    (tmp_path / "stack.json").write_text('{"id": "z", "run_dir": "r", "replicas": [{"name": 3}]}')
+    assert read_info(tmp_path) is None           # typed all the way down: a bad replica is unreadable
+
+
+def test_a_stack_json_from_before_the_typed_parts_still_reads(tmp_path):
+    """Files written before replicas, processes and the supervisor were typed: a cluster's topology
+    was `{"name": ...}`, the supervisor had neither name nor log."""
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "id": "old", "run_dir": str(tmp_path), "status": "running", "target": "kind-cpu",
+        "topology": {"name": "quickstart"}, "gateway": "http://127.0.0.1:30081",
+        "replicas": [{"name": "sim-0", "url": "http://127.0.0.1:8001", "kv_events": None}],
+        "supervisor": {"pid": 42, "argv": ["python", "-m", "kvlab.stack.supervisor"]},
+        "processes": [{"name": "gateway", "pid": 43, "argv": ["kvlab", "gateway"], "log": "/x/gateway.log"}]}))
+    info = read_info(tmp_path)
+    assert info is not None and info.topology is None and info.topology_name == "quickstart"
+    assert info.supervisor == ProcessRecord(name="supervisor", pid=42, argv=["python", "-m", "kvlab.stack.supervisor"])
+    assert info.replicas == [Endpoint(name="sim-0", url="http://127.0.0.1:8001")]
+    assert info.processes[0].log == "/x/gateway.log"
+    # a local topology with a setting this version no longer has: the processes still read
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "id": "older", "run_dir": str(tmp_path), "topology": {"name": "small", "retired_setting": 1},
+        "processes": [{"name": "gateway", "pid": 43, "argv": ["kvlab", "gateway"], "log": ""}]}))
+    info = read_info(tmp_path)
+    assert info is not None and info.topology is None and info.topology_name == "small"
+    assert [p.pid for p in info.processes] == [43]
 
 
 def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):

@@ -11,10 +11,9 @@ when the module ends, pass or fail.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from kvlab.stack.base import read_info
 from notebook_runs import (
     LABS,
     NOTEBOOKS,
@@ -71,8 +70,8 @@ def test_a_notebook_runs_alone_starting_what_it_needs():
         run = (runs / "latest").resolve()
         assert (run / "phase-1-round-robin" / "summary.json").exists()
         assert (run / "phase-2-kv-aware" / "summary.json").exists()
-        stack = json.loads((run / "stack.json").read_text())
-        assert stack["status"] == "running"     # left running for the next lab, until teardown
+        stack = read_info(run)
+        assert stack is not None and stack.status == "running"     # left running for the next lab, until teardown
 
 
 @pytest.mark.slow

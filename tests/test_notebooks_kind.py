@@ -47,7 +47,7 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
         require(up.returncode == 0 and info is not None, f"a simulator stack (kvlab up: {up.stdout[-800:]})")
         assert info is not None
         service = AttachedStack(info).gateway_for("round-robin")     # kube-proxy's stand-in, stopped by pid
-        pods = {f"kvlab-replicas-{i}": r["url"] for i, r in enumerate(info.replicas)}
+        pods = {f"kvlab-replicas-{i}": r.url for i, r in enumerate(info.replicas)}
         refusing = "kvlab-replicas-old"         # a ready pod whose vLLM lacks VLLM_SERVER_DEV_MODE: 404
         log = runs.parent / "pod-proxy.jsonl"
         spec = runs.parent / "fake-cluster.json"
@@ -58,9 +58,9 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
         _execute(LABS / "02-kv-aware.ipynb", runs.parent / "02-kv-aware-kind.ipynb", overrides=overrides)
 
         run = (runs / "latest").resolve()
-        stack = json.loads((run / "stack.json").read_text())
-        assert stack["target"] == "kind-cpu" and stack["context"] == "kind-kvlab"
-        assert (stack["baseline"], stack["gateway"]) == (service, info.gateway)
+        stack = read_info(run)
+        assert stack is not None and stack.target == "kind-cpu" and stack.context == "kind-kvlab"
+        assert (stack.baseline, stack.gateway) == (service, info.gateway)
         posts = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         per_phase = len(pods) + 1
         assert len(posts) == 2 * per_phase == 10, posts
@@ -79,7 +79,7 @@ def test_lab_02_on_a_kind_target_resets_every_replica_pod_between_phases():
             if before:                                                            # and after the last one
                 assert min(p["t"] for p in resets) > max(r["ts"] + r["e2e_ms"] / 1000 for r in before)
             before = records
-            assert {r["replica"] for r in records if not r.get("error")} == {r["name"] for r in info.replicas}
+            assert {r["replica"] for r in records if not r.get("error")} == {r.name for r in info.replicas}
         # the refused reset is said in the notebook, once per phase
         executed = nbformat.read(runs.parent / "02-kv-aware-kind.ipynb", as_version=4)
         text = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import free_port, require, require_binary
 from kvlab.dashboards.verify import query_range, verify
+from kvlab.stack.base import read_info
 from kvlab.telemetry import names as n
 from kvlab.traces.decision import decision_of
 from kvlab.traces.sources.otlp_files import OtlpFileSource
@@ -52,8 +53,9 @@ def labs(tmp_path_factory) -> dict[str, tuple[Path, float, float]]:
         for name, proc in procs.items():
             text, _ = proc.communicate(timeout=200)
             assert proc.returncode == 0, text[-5000:]
-            stack = json.loads((root / name / "stack.json").read_text())
-            assert stack["prometheus"] and stack["traces_dir"], "the lab ran without Prometheus or the trace sink"
+            stack = read_info(root / name)
+            assert stack is not None and stack.prometheus and stack.traces_dir, \
+                "the lab ran without Prometheus or the trace sink"
             out[name] = (root / name, start, time.time())
     finally:
         for proc in procs.values():

@@ -20,6 +20,7 @@ import yaml
 
 from conftest import require_binary
 from kvlab.dashboards import rules
+from kvlab.stack.base import read_info
 from kvlab.stack.kind.manifests import render
 from kvlab.stack.kind.objects import Cluster
 from kvlab.stack.prometheus import rules_file, scrape_config
@@ -114,19 +115,21 @@ def test_replica_ejected_fires_in_prometheus(tmp_path: Path):
     supervisor = 0
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        stack = json.loads((tmp_path / "runs" / "latest" / "stack.json").read_text())
-        prometheus = stack["prometheus"]
+        stack = read_info(tmp_path / "runs" / "latest")
+        assert stack is not None
+        prometheus = stack.prometheus
         assert prometheus, "the stack started without Prometheus"
         body = {"model": "kvlab-tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
         for _ in range(4):
-            assert requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, timeout=30).status_code == 200
-        victim = next(p for p in stack["processes"] if p["name"] == "engine-b")   # pool b: replica "b"
-        assert [r["name"] for r in stack["replicas"]] == ["a", "b"]
+            assert requests.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        victim = next(p for p in stack.processes if p.name == "engine-b")   # pool b: replica "b"
+        assert [r.name for r in stack.replicas] == ["a", "b"]
         assert not [a for a in _alerts(prometheus) if a["labels"]["alertname"] == "KvlabReplicaEjected"]
         # the supervisor restarts a dead child at once; paused, it cannot, so "b" stays down
-        supervisor = int(stack["supervisor"]["pid"])
+        assert stack.supervisor is not None
+        supervisor = stack.supervisor.pid
         os.kill(supervisor, signal.SIGSTOP)
-        os.kill(int(victim["pid"]), signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         firing: list[dict] = []
         while time.monotonic() - killed_at < 60 and not firing:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import requests
 
 from kvlab.process import runs_command
+from kvlab.stack.base import StackInfo, read_info
 from kvlab.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,27 +40,26 @@ def small_topology(tmp_path):
     return path
 
 
-def _pids(stack: dict) -> list[tuple[int, list[str]]]:
-    entries = [*stack["processes"], stack["supervisor"]]
-    return [(int(p["pid"]), p["argv"]) for p in entries]
+def _pids(stack: StackInfo) -> list[tuple[int, list[str]]]:
+    assert stack.supervisor is not None
+    return [(p.pid, p.argv) for p in [*stack.processes, stack.supervisor]]
 
 
 @pytest.mark.slow
 def test_up_status_down_leaves_nothing_behind(tmp_path, small_topology):
     env = dict(os.environ, KVLAB_RUNS_DIR=str(tmp_path / "runs"))
     up = kvlab("up", "--topology", str(small_topology), env=env)
-    stack_file = tmp_path / "runs" / "latest" / "stack.json"
-    stack = json.loads(stack_file.read_text()) if stack_file.exists() else None
+    stack = read_info(tmp_path / "runs" / "latest")
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert stack["status"] == "running" and stack["policy"] == "kv-aware"
-        assert {p["name"] for p in stack["processes"]} == {"traces", "engine-replicas", "gateway"}
-        assert [r["name"] for r in stack["replicas"]] == ["sim-0", "sim-1"]
-        assert stack["traces_dir"] and stack["otlp_endpoint"].startswith("http://127.0.0.1:")
+        assert stack is not None and stack.status == "running" and stack.policy == "kv-aware"
+        assert {p.name for p in stack.processes} == {"traces", "engine-replicas", "gateway"}
+        assert [r.name for r in stack.replicas] == ["sim-0", "sim-1"]
+        assert stack.traces_dir and (stack.otlp_endpoint or "").startswith("http://127.0.0.1:")
         assert all(runs_command(pid, argv) for pid, argv in _pids(stack))
-        assert Path(stack["run_dir"]).name == os.readlink(tmp_path / "runs" / "latest")
+        assert Path(stack.run_dir).name == os.readlink(tmp_path / "runs" / "latest")
         body = {"model": "kvlab-tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
-        resp = requests.post(f"{stack['gateway']}/v1/chat/completions", json=body, timeout=30)
+        resp = requests.post(f"{stack.gateway}/v1/chat/completions", json=body, timeout=30)
         assert resp.status_code == 200 and resp.headers["x-kvlab-routed-to"] in {"sim-0", "sim-1"}
         status = kvlab("status", env=env)
         assert status.returncode == 0 and "sim-1" in status.stdout
@@ -76,12 +75,13 @@ def test_up_status_down_leaves_nothing_behind(tmp_path, small_topology):
 def test_down_cleans_up_after_a_killed_supervisor(tmp_path, small_topology):
     env = dict(os.environ, KVLAB_RUNS_DIR=str(tmp_path / "runs"))
     up = kvlab("up", "--topology", str(small_topology), env=env)
-    stack = json.loads((tmp_path / "runs" / "latest" / "stack.json").read_text())
+    stack = read_info(tmp_path / "runs" / "latest")
+    assert stack is not None and stack.supervisor is not None, up.stdout + up.stderr
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        os.kill(stack["supervisor"]["pid"], signal.SIGKILL)   # children survive in their own sessions
+        os.kill(stack.supervisor.pid, signal.SIGKILL)   # children survive in their own sessions
         time.sleep(0.3)
-        assert any(runs_command(int(p["pid"]), p["argv"]) for p in stack["processes"])
+        assert any(runs_command(p.pid, p.argv) for p in stack.processes)
     finally:
         down = kvlab("down", env=env)
     assert "3 processes" in down.stdout

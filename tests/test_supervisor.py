@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import requests
 
 from kvlab.stack import supervisor
+from kvlab.stack.base import read_info
 from kvlab.stack.supervisor import Restarter
 
 
@@ -75,28 +75,29 @@ def test_kvlab_up_restarts_a_killed_engine_and_gateway(tmp_path):
     env = dict(os.environ, KVLAB_RUNS_DIR=str(tmp_path / "runs"))
     kv = [sys.executable, "-m", "kvlab.cli"]
     up = subprocess.run([*kv, "up", "--topology", str(topo)], env=env, capture_output=True, text=True, timeout=120)
-    stack_file = tmp_path / "runs" / "latest" / "stack.json"
+    latest = tmp_path / "runs" / "latest"
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        stack = json.loads(stack_file.read_text())
+        stack = read_info(latest)
+        assert stack is not None
         body = {"prompt": "hello there", "max_tokens": 2}
         for name in ("engine-replicas", "gateway"):
-            old = next(p for p in stack["processes"] if p["name"] == name)
-            os.killpg(int(old["pid"]), signal.SIGKILL)
+            old = next(p for p in stack.processes if p.name == name)
+            os.killpg(old.pid, signal.SIGKILL)
             t0 = time.monotonic()
             while time.monotonic() - t0 < 30:
-                stack = json.loads(stack_file.read_text())
-                new = next(p for p in stack["processes"] if p["name"] == name)
-                if new["pid"] != old["pid"] and stack["status"] == "running":
+                stack = read_info(latest) or stack
+                new = next(p for p in stack.processes if p.name == name)
+                if new.pid != old.pid and stack.status == "running":
                     try:
-                        if requests.post(stack["gateway"] + "/v1/completions", json=body, timeout=5).status_code == 200:
+                        if requests.post(f"{stack.gateway}/v1/completions", json=body, timeout=5).status_code == 200:
                             break
                     except requests.ConnectionError:
                         pass
                 time.sleep(0.2)
             else:
-                pytest.fail(f"{name} not restarted and serving: {(Path(stack['run_dir']) / 'supervisor.log').read_text()}")
-        log = (Path(stack["run_dir"]) / "supervisor.log").read_text()
+                pytest.fail(f"{name} not restarted and serving: {(Path(stack.run_dir) / 'supervisor.log').read_text()}")
+        log = (Path(stack.run_dir) / "supervisor.log").read_text()
         assert "engine-replicas restarted" in log and "gateway restarted" in log
     finally:
         down = subprocess.run([*kv, "down"], env=env, capture_output=True, text=True, timeout=120)

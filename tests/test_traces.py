@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import FakeHandler, http_server
 from kvlab.errors import KvlabError
 from kvlab.load.measure import Record
+from kvlab.stack.base import StackInfo
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
 from kvlab.traces import cli
@@ -82,7 +83,7 @@ def run_dir(tmp_path: Path) -> Path:
     for phase, tid, ttft in [("phase-1-round-robin", ids[0], 400.0), ("phase-2-kv-aware", ids[1], 50.0)]:
         (tmp_path / "run" / phase).mkdir()
         (tmp_path / "run" / phase / "requests.jsonl").write_text(json.dumps({"ts": 1.0, "trace_id": tid, "ttft_ms": ttft}) + "\n")
-    (tmp_path / "run" / "stack.json").write_text(json.dumps({"traces_dir": str(traces)}))
+    StackInfo(id="run", run_dir=str(tmp_path / "run"), traces_dir=str(traces)).write()
     return tmp_path / "run"
 
 

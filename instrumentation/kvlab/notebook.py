@@ -33,9 +33,9 @@ from kvlab.run.phases import Phase, PhaseResult, run_phases
 from kvlab.run.presets import LAB_QUICK
 from kvlab.stack import attached
 from kvlab.stack.attached import PROCESSES_FILE, TARGETS, AttachedStack
-from kvlab.stack.base import StackInfo
+from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.launch import KVLAB
-from kvlab.stack.state import read_stack, runs_dir, write_json
+from kvlab.stack.state import runs_dir, write_json
 from kvlab.telemetry import names as n
 
 __all__ = ["PROCESSES_FILE", "TARGETS", "LabPhase", "dashboard_panel", "ensure_stack", "gateway", "healthy",
@@ -67,22 +67,19 @@ def runs_root() -> Path:
     return runs_dir()
 
 
-def _dict(info: StackInfo) -> dict[str, Any]:
-    return info.to_dict()
-
-
-def healthy(stack: dict[str, Any] | None) -> bool:
+def healthy(stack: StackInfo | None) -> bool:
     """A running stack whose gateway (and, locally, every replica) answers /health."""
-    return stack is not None and attached.healthy(msgspec.convert(stack, StackInfo))
+    return attached.healthy(stack)
 
 
-def ensure_stack(target: str = "local", topology: str = "quickstart", timeout_s: float = 180.0) -> dict[str, Any]:
-    """The stack of runs/latest when it is healthy and runs `topology`; else a fresh one.
+def ensure_stack(target: str = "local", topology: str = "quickstart", timeout_s: float = 180.0) -> StackInfo:
+    """The stack of runs/latest when it is healthy and runs `topology`; else a fresh one. Its
+    stack.json, typed: `stack.gateway`, `stack.replicas[0].url`, `stack.run_dir`, `stack.topology`.
 
     local: `kvlab up --topology T` (a different local topology still running is stopped first).
     kind-cpu / kind-gpu: the cluster must be deployed (docs/kind.md); this only records its URLs.
     """
-    return _dict(attached.ensure(target, topology, runs_root(), timeout_s))
+    return attached.ensure(target, topology, runs_root(), timeout_s)
 
 
 def stop_stack(run_dir: Path | None = None) -> None:
@@ -90,20 +87,20 @@ def stop_stack(run_dir: Path | None = None) -> None:
     attached.stop(Path(run_dir) if run_dir else runs_root() / "latest")
 
 
-def reset_caches(stack: dict[str, Any]) -> int:
+def reset_caches(stack: StackInfo) -> int:
     """Empty every replica's prefix cache (a phase starts cold): locally POST /reset_prefix_cache,
     on kind through the API server's pod proxy; returns how many were reset."""
-    return sum(1 for why in AttachedStack.of(stack).reset_caches().values() if why is None)
+    return sum(1 for why in AttachedStack(stack).reset_caches().values() if why is None)
 
 
 @contextmanager
-def gateway(stack: dict[str, Any], policy: str) -> Iterator[str]:
+def gateway(stack: StackInfo, policy: str) -> Iterator[str]:
     """Base URL of a gateway routing with `policy` in front of the stack's replicas.
 
     The stack's own gateway when its policy matches; locally, else, a `kvlab gateway` started for
     the duration of the `with` block (stopped by pid on exit). On kind, round-robin means the
     plain Service (`baseline`, kube-proxy) and kv-aware the kvlab gateway."""
-    stack_ = AttachedStack.of(stack)
+    stack_ = AttachedStack(stack)
     try:
         yield stack_.gateway_for(policy)
     finally:
@@ -111,7 +108,7 @@ def gateway(stack: dict[str, Any], policy: str) -> Iterator[str]:
 
 
 # ---- engine metrics ---------------------------------------------------------------------------------
-def replica_metrics(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
+def replica_metrics(stack: StackInfo) -> dict[str, dict[str, float]]:
     """Per local replica: running, waiting, kv_usage, prefix-cache queries and hits (vLLM names)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -119,10 +116,10 @@ def replica_metrics(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
               n.VLLM_KV_CACHE_USAGE: "kv_usage", n.VLLM_PREFIX_CACHE_QUERIES + "_total": "queries",
               n.VLLM_PREFIX_CACHE_HITS + "_total": "hits"}
     out: dict[str, dict[str, float]] = {}
-    for r in stack.get("replicas", []):
+    for r in stack.replicas:
         values = dict.fromkeys(wanted.values(), 0.0)
         try:
-            with urllib.request.urlopen(f"{r['url']}/metrics", timeout=2) as resp:
+            with urllib.request.urlopen(f"{r.url}/metrics", timeout=2) as resp:
                 text = resp.read().decode()
         except OSError:
             continue
@@ -134,7 +131,7 @@ def replica_metrics(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
                 elif sample.name in wanted:
                     values[wanted[sample.name]] += sample.value
         values["kv_usage"] = sum(usage) / len(usage) if usage else 0.0
-        out[r["name"]] = values
+        out[r.name] = values
     return out
 
 
@@ -142,7 +139,7 @@ def replica_metrics(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
 class _Progress:
     """An in-place progress bar in the notebook (plain text where there is no display)."""
 
-    def __init__(self, label: str, total_s: float, stack: dict[str, Any]) -> None:
+    def __init__(self, label: str, total_s: float, stack: StackInfo) -> None:
         from IPython.display import HTML, display
 
         self.label, self.total_s, self.stack, self._html = label, total_s, stack, HTML
@@ -170,7 +167,7 @@ class _Progress:
 class _Display:
     """run_phases' Display in a notebook: a `_Progress` per phase (its replica samples kept)."""
 
-    def __init__(self, stack: dict[str, Any]) -> None:
+    def __init__(self, stack: StackInfo) -> None:
         self.stack = stack
         self.progress: _Progress | None = None
 
@@ -190,14 +187,14 @@ class LabPhase(PhaseResult, kw_only=True):
     engines: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
 
 
-def phase_dir(stack: dict[str, Any], policy: str) -> Path | None:
+def phase_dir(stack: StackInfo, policy: str) -> Path | None:
     """The newest phase-N-<policy>/ with a summary in the stack's run dir."""
-    found = sorted(Path(stack["run_dir"]).glob(f"phase-*-{policy}/summary.json"),
+    found = sorted(Path(stack.run_dir).glob(f"phase-*-{policy}/summary.json"),
                    key=lambda p: int(p.parent.name.split("-")[1]))
     return found[-1].parent if found else None
 
 
-def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-prefix",
+def run_phase(stack: StackInfo, policy: str, *, workload: str = "shared-prefix",
               params: dict[str, Any] | None = None, users: int = QUICK_USERS,
               duration_s: float = QUICK_DURATION_S, seed: int = 0, min_requests: int = 0,
               until: Callable[[list[Record]], bool] | None = None, limit_s: float | None = None) -> LabPhase:
@@ -208,14 +205,14 @@ def run_phase(stack: dict[str, Any], policy: str, *, workload: str = "shared-pre
 
     Writes <run>/phase-N-<policy>/ (requests.jsonl, summary.json, replica-samples.json, the
     engines' prefix-cache counters before/after) and returns load_phase() of it."""
-    run = Path(stack["run_dir"])
+    run = Path(stack.run_dir)
     number = 1 + max([int(p.name.split("-")[1]) for p in run.glob("phase-*-*") if p.name.split("-")[1].isdigit()],
                      default=0)
     spec = BenchSpec(workload=workload, params=params or {}, users=users, duration_s=duration_s, seed=seed,
-                     model=stack["model"], min_requests=min_requests, limit_s=limit_s,
-                     trace_sample_ratio=(stack.get("topology") or {}).get("observability", {}).get("sample_ratio", 1.0))
+                     model=stack.model or "kvlab-tiny", min_requests=min_requests, limit_s=limit_s,
+                     trace_sample_ratio=stack.topology.observability.sample_ratio if stack.topology else 1.0)
     display = _Display(stack)
-    stack_ = AttachedStack.of(stack)
+    stack_ = AttachedStack(stack)
     before = replica_metrics(stack)   # counters only grow: a reset or a gateway start does not move them
     try:
         stack_.start()
@@ -240,7 +237,7 @@ def load_phase(out: Path) -> LabPhase:
                     engines=extra.get("engine_prefix_cache", {}))
 
 
-def phase(stack: dict[str, Any], policy: str, **kw: Any) -> LabPhase:
+def phase(stack: StackInfo, policy: str, **kw: Any) -> LabPhase:
     """The stack's latest phase with `policy` if the run has one with the same workload, seed,
     users and duration; else run it now (run_phase)."""
     found = phase_dir(stack, policy)
@@ -250,7 +247,7 @@ def phase(stack: dict[str, Any], policy: str, **kw: Any) -> LabPhase:
         wanted = (kw.get("workload", "shared-prefix"), kw.get("seed", 0), kw.get("users", QUICK_USERS),
                   kw.get("duration_s", QUICK_DURATION_S))
         if (s.workload, s.seed, s.users, s.configured_duration_s) == wanted:
-            print(f"using {found.relative_to(stack['run_dir'])} from an earlier notebook (same workload, seed, users)")
+            print(f"using {found.relative_to(stack.run_dir)} from an earlier notebook (same workload, seed, users)")
             return earlier
     return run_phase(stack, policy, **kw)
 
@@ -267,7 +264,7 @@ def run_env() -> dict[str, Any]:
 
 
 # ---- traces ----------------------------------------------------------------------------------------
-def wait_trace(stack: dict[str, Any], trace_id: str, spans: tuple[str, ...] = (n.SPAN_SCHEDULE, n.SPAN_ENGINE_REQUEST),
+def wait_trace(stack: StackInfo, trace_id: str, spans: tuple[str, ...] = (n.SPAN_SCHEDULE, n.SPAN_ENGINE_REQUEST),
                timeout_s: float = 20.0) -> Any:
     """The trace `trace_id` once it holds every span named in `spans` (exporters batch for ~5 s)."""
     from kvlab.errors import KvlabError
@@ -276,7 +273,7 @@ def wait_trace(stack: dict[str, Any], trace_id: str, spans: tuple[str, ...] = (n
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            trace = open_source(run_dir=Path(stack["run_dir"]), jaeger=stack.get("jaeger")).trace(trace_id)
+            trace = open_source(run_dir=Path(stack.run_dir), jaeger=stack.jaeger).trace(trace_id)
             if all(trace.find(s) for s in spans):
                 return trace
         except KvlabError:
@@ -354,10 +351,10 @@ def run_lab(args: list[str], label: str) -> Path:
             time.sleep(1.0)
             count = sum(p.read_bytes().count(b"\n") for p in run.glob("phase-*/requests.jsonl"))
             line = f"{time.monotonic() - started:.0f} s · {count} requests"
-            stack = read_stack(run)
-            if stack and stack.get("gateway"):
+            stack = read_info(run)
+            if stack and stack.gateway:
                 try:
-                    with urllib.request.urlopen(f"{stack['gateway']}/debug/autoscale", timeout=1) as resp:
+                    with urllib.request.urlopen(f"{stack.gateway}/debug/autoscale", timeout=1) as resp:
                         a = json.load(resp).get("recommendation") or {}
                     line += (f" · desired {a.get('desired', '–')} replicas ({a.get('reason', '')}), "
                              f"running {a.get('current', '–')}")

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
+
 from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
 
@@ -64,6 +66,16 @@ def _die_with_parent() -> None:
         pass
 
 
+class ProcessRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A started process as stack.json (and a notebook's processes file) records it: enough to stop
+    it later by pid, once `runs_command` has checked the pid still runs `argv`."""
+
+    name: str
+    pid: int
+    argv: list[str]
+    log: str = ""
+
+
 class Child:
     """One supervised process: name, argv, log file, and its Popen (None if adopted by pid)."""
 
@@ -105,8 +117,8 @@ class Child:
             return self.proc.poll() is None
         return _alive(self.pid)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": str(self.log)}
+    def describe(self) -> ProcessRecord:
+        return ProcessRecord(name=self.name, pid=self.pid, argv=self.argv, log=str(self.log))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL after `grace_s`; waits until it is gone."""
@@ -165,10 +177,9 @@ def runs_command(pid: int, argv: list[str]) -> bool:
     return _alive(pid) and [c.decode(errors="replace") for c in cmdline if c] == [str(a) for a in argv]
 
 
-def stop_recorded(entry: dict[str, Any], grace_s: float = 10.0) -> bool:
+def stop_recorded(entry: ProcessRecord, grace_s: float = 10.0) -> bool:
     """Stop a process recorded in stack.json if it still runs its command; True if it was stopped."""
-    pid, argv = int(entry["pid"]), entry["argv"]
-    if not runs_command(pid, argv):
+    if not runs_command(entry.pid, entry.argv):
         return False
-    Child(entry["name"], argv, Path(entry.get("log", "")), pid=pid).stop(grace_s)
+    Child(entry.name, entry.argv, Path(entry.log), pid=entry.pid).stop(grace_s)
     return True

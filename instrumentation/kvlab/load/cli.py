@@ -20,7 +20,8 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import LATE_MS
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import NAMES
-from kvlab.stack.state import latest_stack, runs_dir
+from kvlab.stack.base import read_info
+from kvlab.stack.state import runs_dir
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,8 +78,8 @@ def main(argv: list[str]) -> int:
         console.print(f"kvlab bench: {exc}", style="red", markup=False)
         return 2
     # a cluster target has nothing to do with the local stack (its model, run dir, OTLP endpoint)
-    stack = None if (args.target or "").startswith("cluster:") else latest_stack()
-    target = args.target or (stack or {}).get("gateway")
+    stack = None if (args.target or "").startswith("cluster:") else read_info(runs_dir() / "latest")
+    target = args.target or (stack.gateway if stack else None)
     if not target:
         console.print("[red]kvlab bench: no --target and no running stack (start one with `kvlab up`)[/red]")
         return 2
@@ -87,13 +88,14 @@ def main(argv: list[str]) -> int:
     except KvlabError as exc:
         console.print(f"kvlab bench: {exc}", style="red", markup=False)
         return 1
-    model = args.model or ((stack or {}).get("topology") or {}).get("model") or "kvlab-tiny"
+    model = args.model or (stack.topology.model if stack and stack.topology else None) or "kvlab-tiny"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else (Path(stack["run_dir"]) if stack else runs_dir()) / f"bench-{stamp}"
+    out = Path(args.out) if args.out else (Path(stack.run_dir) if stack else runs_dir()) / f"bench-{stamp}"
     try:
         spec = msgspec.structs.replace(spec, model=model)
         with console.status(f"Locust: {_plan(spec)}, {args.duration:.0f} s against {target}"):
-            summary = run_bench(target, out, spec, phase=args.phase, otlp_endpoint=(stack or {}).get("otlp_endpoint"))
+            summary = run_bench(target, out, spec, phase=args.phase,
+                                otlp_endpoint=stack.otlp_endpoint if stack else None)
     except (KvlabError, ValueError) as exc:
         console.print(f"kvlab bench: {exc}", style="red", markup=False)
         return 1

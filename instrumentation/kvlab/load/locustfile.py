@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +25,8 @@ from kvlab.load import users
 from kvlab.load.arrival import arrival
 from kvlab.load.users import ChatUser
 from kvlab.load.workloads import NAMES, create
+from kvlab.stack.base import read_info
+from kvlab.stack.state import runs_dir
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 
 __all__ = ["ChatUser"]
@@ -34,12 +35,8 @@ _out: IO[str] | None = None
 
 
 def _stack_gateway() -> str | None:
-    stack = Path(os.environ.get("KVLAB_RUNS_DIR", "runs")) / "latest" / "stack.json"
-    try:
-        gateway = json.loads(stack.read_text()).get("gateway")
-        return str(gateway) if gateway else None
-    except (OSError, ValueError):
-        return None
+    stack = read_info(runs_dir() / "latest")
+    return stack.gateway if stack is not None else None
 
 
 ChatUser.host = _stack_gateway()

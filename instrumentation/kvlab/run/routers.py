@@ -26,12 +26,13 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from rich.console import Console
 
 from kvlab.compare.results import KV_PREFIX, metric_counters
+from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
@@ -137,7 +138,7 @@ def resolve(names: list[str], custom: dict[str, str] | None = None) -> list[Rout
     return out
 
 
-def render(template: str, replicas: list[dict[str, Any]], *, port: int, metrics_port: int, model: str,
+def render(template: str, replicas: list[Endpoint], *, port: int, metrics_port: int, model: str,
            block_size: int) -> list[str]:
     """The argv of a router command template for `replicas` (module docstring)."""
     fixed = {"host": HOST, "port": port, "metrics_port": metrics_port, "model": model, "block_size": block_size}
@@ -145,10 +146,9 @@ def render(template: str, replicas: list[dict[str, Any]], *, port: int, metrics_
     for word in shlex.split(template):
         if any(p in word for p in PER_REPLICA):
             for r in replicas:
-                if "{kv_events}" in word and not r.get("kv_events"):
-                    raise StackError(f"replica {r['name']} publishes no KV events, which the router needs")
-                argv.append(word.format(**fixed, url=r["url"], kv_events=r.get("kv_events") or "",
-                                        replica=r["name"]))
+                if "{kv_events}" in word and not r.kv_events:
+                    raise StackError(f"replica {r.name} publishes no KV events, which the router needs")
+                argv.append(word.format(**fixed, url=r.url, kv_events=r.kv_events or "", replica=r.name))
         else:
             argv.append(word.format(**fixed))
     argv[0] = program(argv[0])
@@ -218,14 +218,14 @@ class RouterStack:
         return self.base.describe()
 
     def replica_names(self) -> list[str]:
-        return [r["name"] for r in self.base.replicas]
+        return [r.name for r in self.base.replicas]
 
     def replica_metrics(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for r in self.base.replicas:
             try:
-                with urllib.request.urlopen(f"{r['url']}/metrics", timeout=5) as resp:
-                    out[r["name"]] = [resp.read().decode()]
+                with urllib.request.urlopen(f"{r.url}/metrics", timeout=5) as resp:
+                    out[r.name] = [resp.read().decode()]
             except OSError:
                 continue
         return out
@@ -266,13 +266,14 @@ class RouterStack:
         return self._start_peer(router.name, router.template)
 
     def _start_peer(self, name: str, template: str) -> str:
-        if any(r.get("role", "both") != "both" for r in self.base.replicas):
+        if any(r.role != "both" for r in self.base.replicas):
             raise StackError(f"router {name}: peers route whole requests; this topology splits prefill and decode")
         replicas = self.base.replicas
-        local = [r["kv_events"] for r in replicas if r.get("kv_events", "").startswith("ipc://")]
+        local = [r.kv_events for r in replicas if (r.kv_events or "").startswith("ipc://")]
         if "{kv_events}" in template and local:   # vLLM's Unix sockets: relayed to loopback TCP
-            self.relay = Relay([r["kv_events"] for r in replicas])
-            replicas = [{**r, "kv_events": e} for r, e in zip(replicas, self.relay.endpoints, strict=True)]
+            self.relay = Relay([r.kv_events or "" for r in replicas])
+            replicas = [msgspec.structs.replace(r, kv_events=e)
+                        for r, e in zip(replicas, self.relay.endpoints, strict=True)]
         port, metrics_port = free_port(), free_port()
         argv = render(template, replicas, port=port, metrics_port=metrics_port,
                       model=self.base.topology.model, block_size=self.block_size)
@@ -303,7 +304,7 @@ def local_routers(console: Console, topology: Topology, run_dir: Path, routers: 
         stack = RouterStack(base, routers)
         with console.status("starting replicas and telemetry..."):
             stack.start()
-        console.print(f"[green]✓[/green] replicas up: {', '.join(r['name'] for r in base.replicas)} "
+        console.print(f"[green]✓[/green] replicas up: {', '.join(r.name for r in base.replicas)} "
                       f"({time.monotonic() - started:.0f} s); logs in {base.logs}")
         try:
             yield stack

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
+from kvlab.contract import Endpoint
 from kvlab.process import Child
 from kvlab.stack.launch import HOST, KVLAB, free_port, gateway_args, sim_argv
 from kvlab.telemetry import names
@@ -33,24 +35,24 @@ NO_TRACES = {"OTEL_TRACES_EXPORTER": "none"}
 
 
 @contextmanager
-def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Child, list[dict[str, Any]]]]:
+def sim(run_dir: Path, name: str, *flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[Child, list[Endpoint]]]:
     """`kvlab engine sim --name NAME FLAGS` on loopback; yields (child, its replicas from the ready JSON)."""
     ready = run_dir / f"ready-{name}.json"
     ready.unlink(missing_ok=True)
     child = Child.start(name, sim_argv(name, ready, flags), run_dir / f"{name}.log", {**os.environ, **(env or NO_TRACES)})
     try:
-        yield child, child.wait_ready_file(ready, 60)["replicas"]
+        yield child, msgspec.convert(child.wait_ready_file(ready, 60)["replicas"], list[Endpoint])
     finally:
         child.stop()
 
 
 @contextmanager
-def gateway(run_dir: Path, replicas: list[dict[str, Any]], config: dict[str, Any] | None = None, policy: str = "kv-aware",
+def gateway(run_dir: Path, replicas: list[Endpoint], config: dict[str, Any] | None = None, policy: str = "kv-aware",
             env: dict[str, str] | None = None) -> Iterator[tuple[Child, str]]:
     """`kvlab gateway` over `replicas` with an optional policy override; yields (child, its URL)."""
     port = free_port()
     eps = run_dir / f"endpoints-{port}.json"
-    eps.write_text(json.dumps({"replicas": replicas}))
+    eps.write_bytes(msgspec.json.encode({"replicas": replicas}))
     ready = run_dir / f"ready-gateway-{port}.json"
     cfg = run_dir / f"gateway-policy-{port}.json"
     if config:
@@ -161,7 +163,7 @@ def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) 
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), 30)
                 await asyncio.sleep(0.5)
                 eps = _get_json(url + "/debug/endpoints")["replicas"]
-                on_b = next(r["load"]["inflight"] for r in eps if r["name"] == rb[0]["name"])
+                on_b = next(r["load"]["inflight"] for r in eps if r["name"] == rb[0].name)
                 os.kill(b.pid, signal.SIGKILL)
                 t_kill = time.monotonic()
                 late = []
@@ -177,9 +179,9 @@ def sigkill_under_load(run_dir: Path, streams: int = 16, max_tokens: int = 400) 
             # the simulator's text depends only on its seed and the prompt: every long stream that ran
             # on one replica is the same text; a resumed one must start with a part of it and go on to
             # exactly max_tokens words, one id and one finish reason (no gap, no repeat)
-            whole = Counter(r.get("text", "") for r in results[:streams] if r["replica"] != rb[0]["name"])
+            whole = Counter(r.get("text", "") for r in results[:streams] if r["replica"] != rb[0].name)
             reference = whole.most_common(1)[0][0].split() if whole else []
-            continued = [r for r in results[:streams] if r["replica"] == rb[0]["name"] and r["ok"]]
+            continued = [r for r in results[:streams] if r["replica"] == rb[0].name and r["ok"]]
             def intact(r: dict[str, Any]) -> bool:
                 words = r["text"].split()
                 kept = next((i for i, (a, b) in enumerate(zip(words, reference, strict=False)) if a != b), len(words))
@@ -198,7 +200,7 @@ def hung_replica(run_dir: Path, requests: int = 8, first_byte_s: float = 1.0) ->
     hole = BlackHole()
     try:
         with sim(run_dir, "sim-ok", "--time-scale", "0.01") as (_, ok):
-            replicas = [{"name": "hung", "url": hole.url}, *ok]
+            replicas = [Endpoint(name="hung", url=hole.url), *ok]
             config = {"timeouts": {"first_byte_s": first_byte_s, "scrape_s": 0.5},
                       "health": {"eject_after_failures": 1000}}   # keep sending it some: measure every retry
             with gateway(run_dir, replicas, config, policy="round-robin") as (_, url):
@@ -324,7 +326,7 @@ def disconnect_abort(run_dir: Path, trials: int = 5) -> dict[str, Any]:
                 drop_client(url, {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
                                   "stream": bool(read_bytes)}, read_bytes)
                 t0 = time.monotonic()
-                while (scrape(reps[0]["url"], "vllm:num_requests_running") > 0
+                while (scrape(reps[0].url, "vllm:num_requests_running") > 0
                        or any(r["load"]["inflight"] for r in _get_json(url + "/debug/endpoints")["replicas"])):
                     if time.monotonic() - t0 > 10:
                         break

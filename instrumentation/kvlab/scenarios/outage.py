@@ -12,7 +12,6 @@ resumed on the surviving replica by the gateway (gateway/resume.py, docs/reliabi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
+from kvlab.contract import Endpoint
 from kvlab.load.measure import Record
 from kvlab.load.spec import BenchSpec
 from kvlab.load.table import summary_table
@@ -34,8 +34,9 @@ from kvlab.report import write_report
 from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
+from kvlab.stack.base import read_info
 from kvlab.stack.local import LocalStack
-from kvlab.stack.state import new_run_dir, read_stack, write_json
+from kvlab.stack.state import new_run_dir, write_json
 from kvlab.stack.supervisor import Restarter
 from kvlab.telemetry import names
 from kvlab.topology import FaultSettings, Topology
@@ -45,16 +46,16 @@ _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
 
 
-def pool_replica(run_dir: Path, pool: str) -> dict[str, Any]:
+def pool_replica(run_dir: Path, pool: str) -> Endpoint:
     """The (first) replica of `pool` from its engine's ready JSON in the run dir."""
-    replicas: list[dict[str, Any]] = json.loads((Path(run_dir) / f"ready-{pool}.json").read_text())["replicas"]
-    return replicas[0]
+    ready = msgspec.json.decode((Path(run_dir) / f"ready-{pool}.json").read_bytes(), type=dict[str, list[Endpoint]])
+    return ready["replicas"][0]
 
 
 def recorded_pid(run_dir: Path, pool: str) -> int:
     """The pid of `pool`'s engine as stack.json records it (`kvlab up`: the supervisor's child)."""
-    stack = read_stack(Path(run_dir)) or {}
-    return int(next(p["pid"] for p in stack.get("processes", []) if p["name"] == f"engine-{pool}"))
+    stack = read_info(Path(run_dir))
+    return next(p.pid for p in (stack.processes if stack else []) if p.name == f"engine-{pool}")
 
 
 def _get(url: str) -> str | None:
@@ -69,7 +70,7 @@ def _get(url: str) -> str | None:
 class Outage:
     """Kill one replica once the gateway has answered `after_requests`, watch it come back (above)."""
 
-    def __init__(self, gateway_url: str, replica: dict[str, Any], pid: Callable[[], int], *, after_requests: int = 30,
+    def __init__(self, gateway_url: str, replica: Endpoint, pid: Callable[[], int], *, after_requests: int = 30,
                  after_restart: int = 60, restart: Callable[[], None] | None = None, interval_s: float = 0.2) -> None:
         self.gateway_url, self.replica, self.pid, self.restart = gateway_url.rstrip("/"), replica, pid, restart
         self.after_requests, self.after_restart, self.interval_s = after_requests, after_restart, interval_s
@@ -102,7 +103,7 @@ class Outage:
             metrics = _get(self.gateway_url + "/metrics") or ""
             requests = sum(float(v) for v in _REQUESTS.findall(metrics))
             resumes = {r: float(v) for r, v in _RESUMES.findall(metrics)}
-            up = _get(self.replica["url"] + "/health") is not None
+            up = _get(self.replica.url + "/health") is not None
             if self._base is None:
                 self._base = requests
             if self.killed_at is None and requests - self._base >= self.after_requests:
@@ -125,7 +126,7 @@ class Outage:
     def in_flight_at_kill(self, records: list[Record]) -> list[Record]:
         """The requests the killed replica was serving when it died (the resumed ones)."""
         k = self.killed_at
-        return [r for r in records if k is not None and r.replica == self.replica["name"]
+        return [r for r in records if k is not None and r.replica == self.replica.name
                 and r.ts <= k <= r.ts + r.e2e_ms / 1000]
 
     def result(self, records: list[Record]) -> dict[str, Any]:
@@ -134,13 +135,13 @@ class Outage:
         last = self.samples[-1] if self.samples else {}
         hit = self.in_flight_at_kill(records)
         back = [r for r in records if self.back_at is not None and r.ts >= self.back_at
-                and r.replica == self.replica["name"] and not r.error]
+                and r.replica == self.replica.name and not r.error]
         prompt, cached = sum(r.prompt_tokens or 0 for r in back), sum(r.cached_tokens or 0 for r in back)
         ids = {id(r) for r in hit}
         def stall(rs: list[Record], q: float = 0.5) -> float | None:
             worst = sorted(max(r.ttft_ms or 0.0, r.itl_max_ms or 0.0) for r in rs if not r.error)
             return round(worst[min(int(len(worst) * q), len(worst) - 1)], 1) if worst else None
-        return {"replica": self.replica["name"], "killed_pid": self.killed_pid, "killed_at": self.killed_at,
+        return {"replica": self.replica.name, "killed_pid": self.killed_pid, "killed_at": self.killed_at,
                 "back_at": self.back_at,
                 "down_s": round(self.back_at - self.killed_at, 2) if self.back_at and self.killed_at else None,
                 "requests": len(records), "failed": sum(1 for r in records if r.error),

@@ -21,15 +21,13 @@ from typing import Any
 
 import msgspec
 
-from kvlab.config import convert
 from kvlab.errors import StackError
 from kvlab.lifecycle import http_ok
-from kvlab.process import Child, stop_recorded
+from kvlab.process import Child, ProcessRecord, stop_recorded
 from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.launch import HOST, KVLAB, child_env, free_port, gateway_args
 from kvlab.stack.local import reset_replicas
 from kvlab.stack.state import new_run_dir, set_latest, write_json
-from kvlab.topology import Topology
 
 TARGETS = ("local", "kind-cpu", "kind-gpu")
 PROCESSES_FILE = "notebook-processes.json"
@@ -44,22 +42,21 @@ def healthy(info: StackInfo | None) -> bool:
     """A running stack whose gateway (and, locally, every replica) answers /health."""
     if info is None or info.status != "running" or not info.gateway:
         return False
-    urls = [info.gateway] + [r["url"] for r in info.replicas]
+    urls = [info.gateway] + [r.url for r in info.replicas]
     return all(http_ok(f"{u}/health", timeout_s=2.0) for u in urls)
 
 
-def recorded(run: Path) -> list[dict[str, Any]]:
+def recorded(run: Path) -> list[ProcessRecord]:
     """The processes a notebook started in `run` and has not stopped yet."""
     try:
-        entries: list[dict[str, Any]] = json.loads((run / PROCESSES_FILE).read_text())
-        return entries
-    except (OSError, ValueError):
+        return msgspec.json.decode((run / PROCESSES_FILE).read_bytes(), type=list[ProcessRecord])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return []
 
 
-def save_recorded(run: Path, entries: list[dict[str, Any]]) -> None:
+def save_recorded(run: Path, entries: list[ProcessRecord]) -> None:
     if run.exists():
-        write_json(run / PROCESSES_FILE, entries)
+        write_json(run / PROCESSES_FILE, msgspec.to_builtins(entries))
 
 
 def ensure(target: str, topology: str, root: Path, timeout_s: float) -> StackInfo:
@@ -68,7 +65,7 @@ def ensure(target: str, topology: str, root: Path, timeout_s: float) -> StackInf
     if target not in TARGETS:
         raise StackError(f"TARGET must be one of {', '.join(TARGETS)}, not {target!r}")
     current = read_info(root / "latest")
-    if current is not None and current.target == target and current.topology.get("name") == topology \
+    if current is not None and current.target == target and current.topology_name == topology \
             and healthy(current):
         return current
     if target != "local":
@@ -84,7 +81,7 @@ def ensure(target: str, topology: str, root: Path, timeout_s: float) -> StackInf
 
 def _wait_prometheus(info: StackInfo, timeout_s: float = 20.0) -> StackInfo:
     """`kvlab up` returns once the gateway is healthy; Prometheus (if installed) comes right after."""
-    if which("prometheus") is None or info.topology["observability"]["prometheus"] == "off":
+    if which("prometheus") is None or info.topology is None or info.topology.observability.prometheus == "off":
         return info
     deadline = time.monotonic() + timeout_s
     while not info.prometheus and time.monotonic() < deadline:
@@ -131,11 +128,6 @@ class AttachedStack:
             self._cluster = ClusterStack(self.run, info.context or "kind-kvlab", info.namespace or "kvlab",
                                          target=info.target, policy=info.policy, warn=print)   # in the cell's output
 
-    @classmethod
-    def of(cls, stack: dict[str, Any]) -> AttachedStack:
-        """From the stack.json dict a notebook holds."""
-        return cls(msgspec.convert(stack, StackInfo))
-
     @property
     def otlp_endpoint(self) -> str | None:
         return self._cluster.otlp_endpoint if self._cluster is not None else self.info.otlp_endpoint
@@ -171,7 +163,9 @@ class AttachedStack:
         port = free_port()
         ready = self.run / f"ready-gateway-{policy}.json"
         ready.unlink(missing_ok=True)
-        topology = convert(self.info.topology, Topology, "stack.json topology")
+        topology = self.info.topology
+        if topology is None:
+            raise StackError(f"stack {self.info.id} records no topology to start a gateway from")
         g = topology.gateway
         argv = [*KVLAB, *gateway_args(g, policy=policy, model=self.info.model or topology.model, host=HOST,
                                       port=port, config=g.config, tokenizer=topology.tokenizer),
@@ -194,7 +188,7 @@ class AttachedStack:
         child, hostport = self._extra
         self._extra = None
         child.stop()
-        save_recorded(self.run, [e for e in recorded(self.run) if e["pid"] != child.pid])
+        save_recorded(self.run, [e for e in recorded(self.run) if e.pid != child.pid])
         self._scrape(hostport, add=False)
 
     def _scrape(self, hostport: str, add: bool) -> None:

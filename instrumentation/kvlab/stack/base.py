@@ -14,47 +14,80 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvlab.stack.state import write_json
+from kvlab.contract import Endpoint
+from kvlab.errors import ConfigError
+from kvlab.lifecycle import write_atomic
+from kvlab.process import ProcessRecord
+from kvlab.topology import Topology
 
 
-class StackInfo(msgspec.Struct, kw_only=True):
-    """runs/<id>/stack.json. `topology` is the full topology locally, `{"name": ...}` for a cluster
-    (the cluster runs what `kvlab cluster deploy` deployed); `replicas` are the endpoints a local
-    gateway reads; `processes` what `kvlab down` stops."""
+class StackInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """runs/<id>/stack.json. `topology` is the full topology of a local stack; a cluster runs what
+    `kvlab cluster deploy` deployed and records only its name (`deployed`); `replicas` are the
+    endpoints a local gateway reads; `processes` what `kvlab down` stops (after `supervisor`)."""
 
     id: str
     run_dir: str
     status: str = "running"                 # starting | running | degraded | stopped
     target: str = "local"                   # local | kind-cpu | kind-gpu | cluster
-    topology: dict[str, Any] = msgspec.field(default_factory=dict)
+    topology: Topology | None = None
+    deployed: str | None = None             # a cluster's topology name
     model: str | None = None
     policy: str | None = None               # the policy of `gateway`
     gateway: str | None = None
     baseline: str | None = None             # a cluster's cache-blind Service
-    replicas: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    replicas: list[Endpoint] = msgspec.field(default_factory=list)
     otlp_endpoint: str | None = None
     traces_dir: str | None = None
     prometheus: str | None = None
     jaeger: str | None = None
     grafana: str | None = None
-    supervisor: dict[str, Any] | None = None
+    supervisor: ProcessRecord | None = None
     context: str | None = None              # a cluster's kube context and namespace
     namespace: str | None = None
-    processes: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    processes: list[ProcessRecord] = msgspec.field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = msgspec.to_builtins(self)
-        return data
+    @property
+    def topology_name(self) -> str | None:
+        """The topology the stack runs, local or deployed."""
+        return self.topology.name if self.topology is not None else self.deployed
 
     def write(self) -> None:
-        write_json(Path(self.run_dir) / "stack.json", self.to_dict())
+        """runs/<id>/stack.json, atomically (readers never see half a file)."""
+        write_atomic(Path(self.run_dir) / "stack.json", msgspec.json.format(msgspec.json.encode(self)).decode() + "\n")
+
+
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A stack.json from before the nested parts were typed, in today's shape: a cluster's
+    `topology: {"name": ...}` is `deployed`; the supervisor was recorded without name and log."""
+    topology = data.get("topology")
+    if isinstance(topology, dict) and set(topology) <= {"name"}:
+        data = {**data, "topology": None, "deployed": data.get("deployed") or topology.get("name")}
+    if isinstance(data.get("supervisor"), dict):
+        data = {**data, "supervisor": {"name": "supervisor", **data["supervisor"]}}
+    return data
 
 
 def read_info(run_dir: Path) -> StackInfo | None:
-    """The stack.json of `run_dir` (None: none, or unreadable)."""
+    """The stack.json of `run_dir`, written by this version or an earlier one (None: none, or
+    unreadable): the one reader of stack.json. A topology today's `Topology` no longer accepts (an
+    older version's settings) is dropped, its name kept in `deployed`, so `kvlab down` still finds
+    the processes to stop."""
     try:
-        return msgspec.json.decode((Path(run_dir) / "stack.json").read_bytes(), type=StackInfo)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        data = msgspec.json.decode((Path(run_dir) / "stack.json").read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    data = _upgrade(data)
+    try:
+        return msgspec.convert(data, StackInfo)
+    except (msgspec.ValidationError, ConfigError):
+        if not isinstance(data.get("topology"), dict):
+            return None
+    try:
+        return msgspec.convert({**data, "topology": None, "deployed": data["topology"].get("name")}, StackInfo)
+    except msgspec.ValidationError:
         return None
 
 

@@ -11,7 +11,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -20,7 +19,8 @@ from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.lifecycle import http_ok, terminate
 from kvlab.process import Child, log_tail, runs_command, stop_recorded
-from kvlab.stack.state import new_run_dir, read_stack, runs_dir, set_latest
+from kvlab.stack.base import StackInfo, read_info
+from kvlab.stack.state import new_run_dir, runs_dir, set_latest
 from kvlab.topology import load_topology, resolve_topology
 
 MULTI_COMMAND = True
@@ -44,8 +44,8 @@ def up(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     with console.status(f"starting {topology.total_replicas} {topology.engine} replicas and the gateway..."):
         while time.monotonic() < deadline:
-            stack = read_stack(run_dir)
-            if stack and stack.get("status") == "running" and (stack.get("supervisor") or {}).get("pid") == proc.pid:
+            stack = read_info(run_dir)
+            if stack and stack.status == "running" and stack.supervisor and stack.supervisor.pid == proc.pid:
                 break
             if proc.poll() is not None:
                 console.print(f"[red]kvlab up failed[/red] (see {log}):\n{log_tail(log)}")
@@ -60,47 +60,46 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_stack(stack: dict[str, Any]) -> None:
-    console.print(f"[bold]stack {stack['id']}[/bold] ({stack.get('status')}), run dir {stack['run_dir']}")
-    console.print(f"  gateway     {stack['gateway']}  policy {stack.get('policy')}")
-    for r in stack.get("replicas", []):
-        console.print(f"  replica     {r['name']:<10} {r['url']}  kv-events {r.get('kv_events')}")
-    console.print(f"  traces      {stack.get('traces_dir') or stack.get('otlp_endpoint') or 'off'}")
-    console.print(f"  prometheus  {stack.get('prometheus') or 'off (no prometheus binary)'}")
+def _print_stack(stack: StackInfo) -> None:
+    console.print(f"[bold]stack {stack.id}[/bold] ({stack.status}), run dir {stack.run_dir}")
+    console.print(f"  gateway     {stack.gateway}  policy {stack.policy}")
+    for r in stack.replicas:
+        console.print(f"  replica     {r.name:<10} {r.url}  kv-events {r.kv_events}")
+    console.print(f"  traces      {stack.traces_dir or stack.otlp_endpoint or 'off'}")
+    console.print(f"  prometheus  {stack.prometheus or 'off (no prometheus binary)'}")
 
 
 def status(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args.run_dir)
-    stack = read_stack(run_dir)
+    stack = read_info(run_dir)
     if stack is None:
         console.print(f"no stack at {run_dir}")
         return 1
     _print_stack(stack)
     table = Table("process", "pid", "alive", "log")
-    for p in stack.get("processes", []):
-        alive = runs_command(int(p["pid"]), p["argv"])
-        table.add_row(p["name"], str(p["pid"]), "[green]yes[/green]" if alive else "[red]no[/red]", p["log"])
+    for p in stack.processes:
+        alive = runs_command(p.pid, p.argv)
+        table.add_row(p.name, str(p.pid), "[green]yes[/green]" if alive else "[red]no[/red]", p.log)
     console.print(table)
     health = Table("endpoint", "url", "health")
-    for name, url in [("gateway", stack["gateway"]), *[(r["name"], r["url"]) for r in stack.get("replicas", [])]]:
+    for name, url in [("gateway", stack.gateway or ""), *[(r.name, r.url) for r in stack.replicas]]:
         health.add_row(name, url, "[green]ok[/green]" if http_ok(f"{url}/health") else "[red]down[/red]")
     console.print(health)
-    return 0 if stack.get("status") == "running" else 1
+    return 0 if stack.status == "running" else 1
 
 
 def down(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args.run_dir)
-    stack = read_stack(run_dir)
+    stack = read_info(run_dir)
     if stack is None:
         console.print(f"no stack at {run_dir}")
         return 0
     stopped = 0
-    sup = stack.get("supervisor")
-    if sup and stop_recorded({"name": "supervisor", **sup}, grace_s=60):
+    if stack.supervisor and stop_recorded(stack.supervisor, grace_s=60):
         stopped += 1
-    for p in reversed(stack.get("processes", [])):  # leftovers if the supervisor was killed
+    for p in reversed(stack.processes):  # leftovers if the supervisor was killed
         stopped += stop_recorded(p)
-    console.print(f"stack {stack['id']} stopped ({stopped} process{'es' if stopped != 1 else ''} signalled)")
+    console.print(f"stack {stack.id} stopped ({stopped} process{'es' if stopped != 1 else ''} signalled)")
     return 0
 
 

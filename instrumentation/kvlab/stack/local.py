@@ -18,8 +18,9 @@ from urllib.parse import urlparse
 import msgspec
 import yaml
 
+from kvlab.contract import Endpoint
 from kvlab.errors import StackError
-from kvlab.process import Child
+from kvlab.process import Child, ProcessRecord
 from kvlab.stack.base import StackInfo
 from kvlab.stack.launch import HOST, KVLAB, child_env, engine_argv, free_port, gateway_args
 from kvlab.stack.prometheus import start_prometheus
@@ -48,16 +49,16 @@ def _hostport(url: str) -> str:
     return f"{u.hostname}:{u.port}"
 
 
-def reset_replicas(replicas: list[dict[str, Any]]) -> dict[str, str | None]:
+def reset_replicas(replicas: list[Endpoint]) -> dict[str, str | None]:
     """POST /reset_prefix_cache on each replica reachable from here; a failure is a StackError."""
     for r in replicas:
-        req = urllib.request.Request(f"{r['url']}/reset_prefix_cache", data=b"", method="POST")
+        req = urllib.request.Request(f"{r.url}/reset_prefix_cache", data=b"", method="POST")
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 resp.read()
         except OSError as exc:
-            raise StackError(f"reset_prefix_cache on {r['name']} failed: {exc}") from None
-    return {r["name"]: None for r in replicas}
+            raise StackError(f"reset_prefix_cache on {r.name} failed: {exc}") from None
+    return {r.name: None for r in replicas}
 
 
 class LocalStack:
@@ -70,7 +71,7 @@ class LocalStack:
         self.logs = self.run_dir / "logs"
         self.ready_timeout_s = ready_timeout_s or (600.0 if topology.engine == "vllm" else 60.0)
         self.children: list[Child] = []
-        self.replicas: list[dict[str, Any]] = []
+        self.replicas: list[Endpoint] = []
         self.gateway: Child | None = None
         self.gateway_port = free_port()
         self.policy: str | None = None
@@ -82,7 +83,7 @@ class LocalStack:
         self._state_lock = threading.Lock()   # the scaler's thread writes stack.json too
         self._starting = False                # stack.json says "starting" until start() is done
         self.jaeger: str | None = None
-        self.supervisor: dict[str, Any] | None = None   # the supervisor process of `kvlab up`
+        self.supervisor: ProcessRecord | None = None   # the supervisor process of `kvlab up`
         self.start_policy = policy or topology.gateway.policy
         self.with_gateway = with_gateway             # False: gateways only through gateway_for()
 
@@ -166,8 +167,8 @@ class LocalStack:
             started.append((child, ready))
         for child, ready in started:
             info = child.wait_ready_file(ready, self.ready_timeout_s)
-            self.replicas.extend(info["replicas"])
-        write_json(self.run_dir / "endpoints.json", {"replicas": self.replicas})
+            self.replicas.extend(msgspec.convert(info["replicas"], list[Endpoint]))
+        write_json(self.run_dir / "endpoints.json", {"replicas": msgspec.to_builtins(self.replicas)})
 
     def start_gateway(self, policy: str) -> None:
         """`kvlab gateway` on the stack's fixed gateway port with `policy`; waits for /health."""
@@ -222,7 +223,7 @@ class LocalStack:
         if self.topology.observability.prometheus == "off":
             return
         port = free_port()
-        targets = {"replicas": [_hostport(r["url"]) for r in self.replicas],
+        targets = {"replicas": [_hostport(r.url) for r in self.replicas],
                    "gateway": [f"{HOST}:{self.gateway_port}"]}
         try:
             child = start_prometheus(self.run_dir, targets, port)
@@ -274,13 +275,13 @@ class LocalStack:
             self._span_export.shutdown()
             self._span_export = None
 
-    def _scaled(self, endpoints: list[Any]) -> None:
+    def _scaled(self, endpoints: list[Endpoint]) -> None:
         """After the scaler rewrote the endpoints file: replicas, Prometheus targets, stack.json."""
-        self.replicas = [msgspec.to_builtins(e) for e in endpoints]
+        self.replicas = list(endpoints)
         if self.prometheus:
             from kvlab.stack.prometheus import write_targets
 
-            write_targets(self.run_dir, "replicas", [_hostport(r["url"]) for r in self.replicas])
+            write_targets(self.run_dir, "replicas", [_hostport(r.url) for r in self.replicas])
         self.write_state()
 
     def _export_spans(self) -> None:
@@ -313,8 +314,8 @@ class LocalStack:
         """The stack.json document (contract 3, plus `status`, `policy` and `model`)."""
         return StackInfo(
             id=self.run_dir.name, run_dir=str(self.run_dir), status=status,
-            topology=msgspec.to_builtins(self.topology), model=self.topology.model, policy=self.policy,
-            gateway=self.gateway_url, replicas=self.replicas, otlp_endpoint=self.otlp_endpoint,
+            topology=self.topology, model=self.topology.model, policy=self.policy,
+            gateway=self.gateway_url, replicas=list(self.replicas), otlp_endpoint=self.otlp_endpoint,
             traces_dir=str(self.traces_dir) if self.traces_dir else None, prometheus=self.prometheus,
             jaeger=self.jaeger, supervisor=self.supervisor,
             processes=[c.describe() for c in self.children]

@@ -1,4 +1,4 @@
-"""Run directories and the stack description on disk (runs/<id>/stack.json, runs/latest)."""
+"""Run directories on disk (runs/<id>/, runs/latest); stack.json itself is kvlab.stack.base."""
 
 from __future__ import annotations
 
@@ -44,15 +44,3 @@ def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (readers never see half a file)."""
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
-
-def read_stack(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = json.loads((run_dir / "stack.json").read_text())
-        return data
-    except (OSError, ValueError):
-        return None
-
-
-def latest_stack() -> dict[str, Any] | None:
-    """stack.json of runs/latest, if there is one."""
-    return read_stack(runs_dir() / "latest")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.process import ProcessRecord
 from kvlab.stack.local import LocalStack
 from kvlab.topology import load_topology
 
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     stack = LocalStack(load_topology(args.topology), args.run_dir)
     cmdline = [c.decode() for c in Path("/proc/self/cmdline").read_bytes().split(b"\0") if c]
-    stack.supervisor = {"pid": os.getpid(), "argv": cmdline}
+    stack.supervisor = ProcessRecord(name="supervisor", pid=os.getpid(), argv=cmdline,
+                                     log=str(Path(args.run_dir).absolute() / "supervisor.log"))
     try:
         stack.start()
         print(f"stack running: gateway {stack.gateway_url}", flush=True)

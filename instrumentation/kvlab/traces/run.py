@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from kvlab.errors import KvlabError
 from kvlab.load.measure import Record, read_records
+from kvlab.stack.base import read_info
 
 DEFAULT_RUNS = Path("runs")
 
@@ -20,17 +19,6 @@ def resolve_run(run_dir: Path | None) -> Path:
     return path.resolve()
 
 
-def stack_info(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "stack.json"
-    if path.is_file():
-        try:
-            info: dict[str, Any] = json.loads(path.read_text())
-            return info
-        except ValueError:
-            return {}
-    return {}
-
-
 def traces_location(run_dir: Path | None) -> tuple[str, Path | str]:
     """("files", dir) or ("jaeger", query URL) for a run.
 
@@ -39,14 +27,14 @@ def traces_location(run_dir: Path | None) -> tuple[str, Path | str]:
     started; else `<run>/traces/`, else the run dir itself when it holds *.jsonl span files.
     """
     run = resolve_run(run_dir)
-    info = stack_info(run)
-    if info.get("traces_dir"):
-        rel = Path(info["traces_dir"])
+    info = read_info(run)
+    if info is not None and info.traces_dir:
+        rel = Path(info.traces_dir)
         for candidate in (rel, Path.cwd() / rel, run.parent.parent / rel, run / rel.name):
             if candidate.is_dir():
                 return "files", candidate
-    if isinstance(info.get("jaeger"), str):
-        return "jaeger", info["jaeger"]
+    if info is not None and info.jaeger:
+        return "jaeger", info.jaeger
     if (run / "traces").is_dir():
         return "files", run / "traces"
     if any(run.glob("*.jsonl")):

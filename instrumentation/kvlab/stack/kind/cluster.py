@@ -92,7 +92,7 @@ class ClusterStack:
 
     def describe(self) -> StackInfo:
         return StackInfo(id=self.run_dir.name, run_dir=str(self.run_dir), target=self.target,
-                         topology={"name": self.topology} if self.topology else {}, policy=self.policy,
+                         deployed=self.topology, policy=self.policy,
                          gateway=self._urls.get("gateway"), baseline=self._urls.get("baseline"),
                          otlp_endpoint=self.otlp_endpoint, context=self.context, namespace=self.namespace,
                          jaeger=KIND_URLS["jaeger"], prometheus=KIND_URLS["prometheus"], grafana=KIND_URLS["grafana"])
