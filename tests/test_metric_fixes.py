@@ -37,14 +37,17 @@ def test_kv_usage_of_a_multi_engine_replica_is_the_mean():
 
 
 def test_notebook_replica_metrics_average_kv_usage_too():
+    from kvlab.contract import Endpoint
     from kvlab.notebook import replica_metrics
+    from kvlab.stack.base import StackInfo
 
     class Replica(FakeHandler):
         def do_GET(self):
             self.reply(200, TWO_ENGINES.encode(), "text/plain; version=0.0.4")
 
     with http_server(Replica) as url:
-        values = replica_metrics({"replicas": [{"name": "vllm-0", "url": url}]})["vllm-0"]
+        stack = StackInfo(id="run", run_dir="run", replicas=[Endpoint(name="vllm-0", url=url)])
+        values = replica_metrics(stack)["vllm-0"]
     assert (values["waiting"], values["running"], values["kv_usage"]) == (4.0, 6.0, 0.7)
 
 
