@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import json
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from kvlab.report import write_report
 from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import AUTOSCALE, AUTOSCALE_QUICK
+from kvlab.scenarios.sampler import Sampler
 from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, write_json
 from kvlab.topology import Topology
@@ -42,35 +42,23 @@ from kvlab.topology import Topology
 SETTLE_S = 10.0     # after the ramp, wait at most the scale-down window + this for the floor
 
 
-class Timeline:
+class Timeline(Sampler):
     """Samples `GET /debug/autoscale` and the running replicas every `interval_s` in a thread."""
 
     def __init__(self, gateway_url: str, running: Callable[[], int], interval_s: float = 0.5) -> None:
+        super().__init__(interval_s, "kvlab-autoscale-timeline")
         self.url = f"{gateway_url.rstrip('/')}/debug/autoscale"
         self.running = running
-        self.interval_s = interval_s
-        self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvlab-autoscale-timeline", daemon=True)
 
-    def start(self) -> Timeline:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                with urllib.request.urlopen(self.url, timeout=2) as resp:
-                    rec = json.loads(resp.read()).get("recommendation")
-                running = self.running()
-            except (OSError, ValueError):
-                continue
-            if rec:
-                self.samples.append({"t": time.time(), "running": running, **rec})
+    def tick(self) -> None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as resp:
+                rec = json.loads(resp.read()).get("recommendation")
+            running = self.running()
+        except (OSError, ValueError):
+            return
+        if rec:
+            self.samples.append({"t": time.time(), "running": running, **rec})
 
     @property
     def last(self) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from kvlab.report import write_report
 from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
+from kvlab.scenarios.sampler import Sampler
 from kvlab.stack.base import read_info
 from kvlab.stack.local import LocalStack
 from kvlab.stack.state import new_run_dir, write_json
@@ -67,57 +67,40 @@ def _get(url: str) -> str | None:
         return None
 
 
-class Outage:
+class Outage(Sampler):
     """Kill one replica once the gateway has answered `after_requests`, watch it come back (above)."""
 
     def __init__(self, gateway_url: str, replica: Endpoint, pid: Callable[[], int], *, after_requests: int = 30,
                  after_restart: int = 60, restart: Callable[[], None] | None = None, interval_s: float = 0.2) -> None:
         self.gateway_url, self.replica, self.pid, self.restart = gateway_url.rstrip("/"), replica, pid, restart
-        self.after_requests, self.after_restart, self.interval_s = after_requests, after_restart, interval_s
+        super().__init__(interval_s, "kvlab-outage")
+        self.after_requests, self.after_restart = after_requests, after_restart
         self.killed_at: float | None = None     # unix times
         self.back_at: float | None = None
         self.killed_pid: int | None = None
-        self.samples: list[dict[str, Any]] = []
         self._seen_down = False
         self._base: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvlab-outage", daemon=True)
 
-    def start(self) -> Outage:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def __enter__(self) -> Outage:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            now = time.time()
-            metrics = _get(self.gateway_url + "/metrics") or ""
-            requests = sum(float(v) for v in _REQUESTS.findall(metrics))
-            resumes = {r: float(v) for r, v in _RESUMES.findall(metrics)}
-            up = _get(self.replica.url + "/health") is not None
-            if self._base is None:
-                self._base = requests
-            if self.killed_at is None and requests - self._base >= self.after_requests:
-                self.killed_pid = self.pid()
-                os.killpg(self.killed_pid, signal.SIGKILL)   # the engine and whatever it started
-                self.killed_at, up = now, False
-            elif self.killed_at is not None and self.back_at is None:
-                if self.restart is not None:
-                    self.restart()
-                self._seen_down |= not up
-                if up and self._seen_down:
-                    self.back_at = now
-            self.samples.append({"t": now, "requests": requests, "resumes": sum(resumes.values()),
-                                 "resumes_by_reason": resumes, "up": up})
+    def tick(self) -> None:
+        now = time.time()
+        metrics = _get(self.gateway_url + "/metrics") or ""
+        requests = sum(float(v) for v in _REQUESTS.findall(metrics))
+        resumes = {r: float(v) for r, v in _RESUMES.findall(metrics)}
+        up = _get(self.replica.url + "/health") is not None
+        if self._base is None:
+            self._base = requests
+        if self.killed_at is None and requests - self._base >= self.after_requests:
+            self.killed_pid = self.pid()
+            os.killpg(self.killed_pid, signal.SIGKILL)   # the engine and whatever it started
+            self.killed_at, up = now, False
+        elif self.killed_at is not None and self.back_at is None:
+            if self.restart is not None:
+                self.restart()
+            self._seen_down |= not up
+            if up and self._seen_down:
+                self.back_at = now
+        self.samples.append({"t": now, "requests": requests, "resumes": sum(resumes.values()),
+                             "resumes_by_reason": resumes, "up": up})
 
     def done(self, records: list[Record]) -> bool:
         """Whether `after_restart` requests were sent since the replica came back."""
