@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -222,3 +223,51 @@ def stop_everything(runs: Path) -> list[str]:
     for e in entries:
         stop_recorded(e, grace_s=60 if e.name == "supervisor" else 10)
     return [f"{e.name} {e.pid}" for e in entries if runs_command(e.pid, e.argv)]
+
+
+# ---- one `kvlab lab --quick` for the whole session ----------------------------------------------
+QUICK_LAB_TIMEOUT_S = 320       # ~90 s alone; beside three xdist workers on 2 cores up to ~200 s
+
+
+@dataclass(frozen=True)
+class QuickLab:
+    """`kvlab lab --quick` as a user runs it (no flags; KVLAB_RUNS_DIR; its own working dir): exit
+    status, console, the run dir `runs/latest` names, and its wall-clock window (epoch seconds)."""
+
+    returncode: int | None          # None: killed at QUICK_LAB_TIMEOUT_S
+    stdout: str
+    stderr: str
+    run_dir: str
+    started: float
+    ended: float
+
+
+def _run_quick_lab(root: Path) -> QuickLab:
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, KVLAB_RUNS_DIR=str(root / "runs"))
+    started = time.time()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "lab", "--quick"], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=QUICK_LAB_TIMEOUT_S)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired:
+        stop_everything(root / "runs")
+        code, out, err = None, "", f"`kvlab lab --quick` ran past {QUICK_LAB_TIMEOUT_S} s"
+    return QuickLab(code, out, err, str((root / "runs" / "latest").resolve()), started, time.time())
+
+
+@pytest.fixture(scope="session")
+def quick_lab(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> QuickLab:
+    """One quick lab read by every module that checks such a run (test_lab, test_observability_lab,
+    test_genai_spans): under pytest-xdist the first worker to ask runs it, holding a file lock in
+    the session's shared temp dir, and the others wait and read its result (one ~100-s run, not three)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "quick-lab"
+    result = root / "quick-lab.json"
+    with FileLock(f"{root}.lock"):
+        if not result.exists():
+            lab = _run_quick_lab(root)
+            result.write_text(json.dumps(asdict(lab)))
+    return QuickLab(**json.loads(result.read_text()))

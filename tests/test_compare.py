@@ -43,7 +43,7 @@ def has_vllm_router() -> bool:
     return bool(shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
 
 
-def kvlab(*args: str, cwd: Path, timeout: float = 170) -> subprocess.CompletedProcess[str]:
+def kvlab(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`kvlab *args` in `cwd`; if it must be killed, the stack it started is stopped by recorded pid
     (its replicas run in their own sessions and would outlive it)."""
     try:

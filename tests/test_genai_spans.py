@@ -1,7 +1,7 @@
 """The spans of a real lab run follow the OpenTelemetry GenAI semantic conventions.
 
-One short `kvlab lab` (simulated replicas, the gateway, real Locust users, the OTLP sink) writes
-its spans; read back from the sink's files, every GenAI span — the Locust user's, the gateway's
+The session's `kvlab lab --quick` (conftest.quick_lab: simulated replicas, the gateway, real Locust
+users, the OTLP sink) writes its spans; read back from the sink's files, every GenAI span — the Locust user's, the gateway's
 request and upstream call, the replica's — must be named `{gen_ai.operation.name}
 {gen_ai.request.model}` and carry the required and recommended attributes
 (open-telemetry/semantic-conventions-genai docs/gen-ai/gen-ai-spans.md, inference span), and no
@@ -10,12 +10,11 @@ span may still carry a kvlab.* name the conventions now define.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import QuickLab
 from kvlab.stack.base import read_info
 from kvlab.telemetry import names as n
 from kvlab.traces.sources.otlp_files import OtlpFileSource
@@ -27,13 +26,9 @@ REPLACED = ("kvlab.stream", "kvlab.prefix.delivered_tokens", "kvlab.client.ttft_
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("genai") / "run"
-    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "lab", "--quick", "--policies", "kv-aware",
-                           "--duration", "6", "--users", "3", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return run_dir
+def run(quick_lab: QuickLab) -> Path:
+    assert quick_lab.returncode == 0, (quick_lab.stdout + quick_lab.stderr)[-5000:]
+    return Path(quick_lab.run_dir)
 
 
 def test_genai_spans_of_a_lab_run(run: Path):

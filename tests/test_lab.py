@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import QuickLab
 from kvlab.process import runs_command
 from kvlab.stack.base import read_info
 from kvlab.telemetry import names
@@ -37,13 +35,9 @@ def spans_of(traces_dir: Path, trace_id: str) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lab")
-    env = dict(os.environ, KVLAB_RUNS_DIR=str(root / "runs"))
-    result = subprocess.run([sys.executable, "-m", "kvlab.cli", "lab", "--quick"], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=240)
-    run_dir = (root / "runs" / "latest").resolve()
-    return result, run_dir
+def lab(quick_lab: QuickLab):
+    """The session's `kvlab lab --quick` (conftest.quick_lab): its console and run dir."""
+    return quick_lab, Path(quick_lab.run_dir)
 
 
 def test_lab_quick_runs_and_prints_the_comparison(lab):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, require, require_binary
+from conftest import QUICK_LAB_TIMEOUT_S, QuickLab, free_port, require, require_binary, stop_everything
 from kvlab.dashboards.verify import query_range, verify
 from kvlab.stack.base import read_info
 from kvlab.telemetry import names as n
@@ -39,30 +39,33 @@ PD_LAB = ["--topology", "pd", "--workload", "pd-mix", "--policies", "kv-aware", 
 
 
 @pytest.fixture(scope="module")
-def labs(tmp_path_factory) -> dict[str, tuple[Path, float, float]]:
+def labs(request: pytest.FixtureRequest, tmp_path_factory) -> dict[str, tuple[Path, float, float]]:
+    """The session's `kvlab lab --quick` (conftest.quick_lab) and, started before it is asked for
+    (so that the two run together when this module comes first), a short run of the `pd` topology."""
     require_binary("prometheus")
     root = tmp_path_factory.mktemp("obs")
-    argvs = {"main": [], "pd": PD_LAB}
-    procs, out = {}, {}
     start = time.time()
-    for name, extra in argvs.items():
-        procs[name] = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "lab", "--quick", "--run-dir",
-                                        str(root / name), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True)
+    console = root / "pd.log"
+    with console.open("w") as log:
+        pd = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "lab", "--quick", "--run-dir", str(root / "pd"),
+                               *PD_LAB], stdout=log, stderr=subprocess.STDOUT)
+    out = {}
     try:
-        for name, proc in procs.items():
-            # two `kvlab lab --quick` at once: 89 s alone; beside 3 xdist workers 195-200 s (2026-11-25 runs)
-            text, _ = proc.communicate(timeout=320)
-            assert proc.returncode == 0, text[-5000:]
-            stack = read_info(root / name)
-            assert stack is not None and stack.prometheus and stack.traces_dir, \
-                "the lab ran without Prometheus or the trace sink"
-            out[name] = (root / name, start, time.time())
+        main: QuickLab = request.getfixturevalue("quick_lab")
+        assert main.returncode == 0, (main.stdout + main.stderr)[-5000:]
+        out["main"] = (Path(main.run_dir), main.started, main.ended)
+        pd.wait(timeout=QUICK_LAB_TIMEOUT_S)
+        assert pd.returncode == 0, console.read_text()[-5000:]
+        out["pd"] = (root / "pd", start, time.time())
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
+        if pd.poll() is None:
+            pd.terminate()
+            pd.wait(30)
+            stop_everything(root)
+    for run, _, _ in out.values():
+        stack = read_info(run)
+        assert stack is not None and stack.prometheus and stack.traces_dir, \
+            "the lab ran without Prometheus or the trace sink"
     return out
 
 

@@ -32,6 +32,10 @@ remote = propagate.extract({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-
 if sys.argv[1] == "kill":
     for child in multiprocessing.active_children():
         child.kill(); child.join()
+if sys.argv[1] == "sigterm":   # what a stack's SIGTERM to the server's process group does to the child
+    provider.force_flush(10_000)   # answered from the child's loop: past its start-up
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, 15)
 with tracer.start_as_current_span("root", context=remote, kind=SpanKind.SERVER,
                                   attributes={"s": "x", "i": 7, "f": 0.5, "b": True, "l": [1, 2]}) as root:
     root.set_attribute("late", "y")
@@ -147,3 +151,12 @@ def test_dead_export_process_never_breaks_the_server(http_receiver):  # noqa: F8
     out = run_probe(url, "kill", "1")
     assert not out["flushed"] and out["shutdown_s"] < 10
     assert got.requests == []
+
+
+def test_the_export_process_outlives_a_sigterm_to_deliver_the_last_spans(http_receiver):  # noqa: F811
+    """A stack stops a server with SIGTERM to its whole process group: the export process must
+    still take the spans the server sends as it shuts down (a run's last requests kept their traces)."""
+    url, got = http_receiver
+    out = run_probe(url, "sigterm", "1")
+    assert out["flushed"]
+    assert "root renamed" in [s["name"] for _, _, s in received_spans(got)]

@@ -166,3 +166,16 @@ def test_kvlab_tokenize_prints_the_ids_the_gateway_routes_on(zoo, tmp_path):
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out == {"ids": want, "source": "local", "tokenizer": str(z["dir"])}
+
+
+@pytest.mark.processes
+def test_kvlabs_own_tokenizer_loads_without_torch():
+    """Every gateway, simulator and Locust process loads the tokenizer: for kvlab's own (a
+    PreTrainedTokenizerFast) transformers' AutoTokenizer would import torch, ~3 s of CPU and ~300 MB
+    a process; loading the class it names directly does not."""
+    code = ("import sys; from kvlab.tokenizer import Tokenizer; t = Tokenizer(); "
+            "t.render_chat([{'role': 'user', 'content': 'hi'}]); print(sorted(m for m in ('torch', 'tensorflow') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -120,6 +120,9 @@ class Relay:
             # the client went away: closing the upstream response aborts the generation there
             self.metrics.requests.labels(r.name, self.policy, "499").inc()
             resp.close()
+            for span in (at.span, ex.span):   # OTel leaves a span a CancelledError ends unmarked
+                span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+                span.set_attribute(names.ERROR_TYPE, "client_disconnected")   # as the simulator says it
             raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"

@@ -161,8 +161,15 @@ class ChatUser(User):
             ctx = span.get_span_context()
             if ctx.is_valid:
                 record.trace_id = format(ctx.trace_id, "032x")
-            stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
-                        chat_body(req, feed.model, feed.workload.seed + n), headers, record)
+            try:
+                stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
+                            chat_body(req, feed.model, feed.workload.seed + n), headers, record)
+            except BaseException:
+                # Locust stopped this user mid-request (GreenletExit): OTel leaves a span that ends by
+                # a BaseException unmarked, and it would read as a finished request without usage
+                span.set_status(Status(StatusCode.ERROR, "cancelled: the load stopped mid-request"))
+                span.set_attribute(names.ERROR_TYPE, "cancelled")
+                raise
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:
                 span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, record.ttft_ms / 1000)

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 from importlib.metadata import entry_points
 from multiprocessing.connection import Connection
@@ -118,6 +119,11 @@ def _child_main(conn: Connection, exporter_names: list[str], resource_attrs: dic
 
     from kvlab.lifecycle import settle_gc
     from kvlab.telemetry.otlp import OtlpEncoder
+
+    # A stack stops a server by SIGTERM to its process group, this child included; the server then
+    # sends its last spans here. So this child ignores the signal and ends when the pipe does.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
     resource = Resource(resource_attrs)
     limits = SpanLimits()
