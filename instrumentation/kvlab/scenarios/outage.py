@@ -1,13 +1,15 @@
 """A replica SIGKILLed under streaming load and restarted: `kvlab lab --topology faults` and lab 11.
 
 `Outage` watches the gateway while a phase runs. Once the gateway has answered `after_requests`
-requests it SIGKILLs the process group of one pool's engine (for vLLM the API server and its
-engine core), then waits for the replica to answer /health again: restarted by `kvlab up`'s
-supervisor, or by the same `Restarter` when the stack runs in this process (`kvlab lab`). Every
-`interval_s` it samples the gateway's requests and resumes (`kvlab_gateway_resumes_total`) and
-whether the replica is up. `done` ends the phase `after_restart` requests after the return, so a
-busy machine lengthens the phase instead of cutting the story short. The streams that broke are
-resumed on the surviving replica by the gateway (gateway/resume.py, docs/reliability.md).
+requests, at the first sample where the replica is running requests (its vLLM
+`num_requests_running`: a kill between two streams would resume none), it SIGKILLs the process
+group of one pool's engine (for vLLM the API server and its engine core), then waits for the
+replica to answer /health again: restarted by `kvlab up`'s supervisor, or by the same `Restarter`
+when the stack runs in this process (`kvlab lab`). Every `interval_s` it samples the gateway's
+requests and resumes (`kvlab_gateway_resumes_total`) and whether the replica is up. `done` ends
+the phase `after_restart` requests after the return, so a busy machine lengthens the phase
+instead of cutting the story short. The streams that broke are resumed on the surviving replica
+by the gateway (gateway/resume.py, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvlab.topology import FaultSettings, Topology
 
 LIMIT_S = 120.0     # the phase's default limit: a busy machine restarts the replica slowly
 _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
+_RUNNING = re.compile(rf"^{re.escape(names.VLLM_NUM_REQUESTS_RUNNING)}(?:\{{.*\}})? (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
 
 
@@ -89,7 +92,7 @@ class Outage(Sampler):
         up = _get(self.replica.url + "/health") is not None
         if self._base is None:
             self._base = requests
-        if self.killed_at is None and requests - self._base >= self.after_requests:
+        if self.killed_at is None and requests - self._base >= self.after_requests and self._serving():
             self.killed_pid = self.pid()
             os.killpg(self.killed_pid, signal.SIGKILL)   # the engine and whatever it started
             self.killed_at, up = now, False
@@ -101,6 +104,10 @@ class Outage(Sampler):
                 self.back_at = now
         self.samples.append({"t": now, "requests": requests, "resumes": sum(resumes.values()),
                              "resumes_by_reason": resumes, "up": up})
+
+    def _serving(self) -> bool:
+        """Whether the replica is running requests now (its own vLLM metrics)."""
+        return sum(float(v) for v in _RUNNING.findall(_get(self.replica.url + "/metrics") or "")) > 0
 
     def done(self, records: list[Record]) -> bool:
         """Whether `after_restart` requests were sent since the replica came back."""
