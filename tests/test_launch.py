@@ -100,6 +100,15 @@ def test_a_stack_json_from_before_the_typed_parts_still_reads(tmp_path):
     assert [p.pid for p in info.processes] == [43]
 
 
+def test_free_port_stays_below_the_ports_outgoing_connections_get():
+    """A port in the OS's ephemeral range may become an outgoing connection's local end before the
+    child binds it (a simulator once failed to start so, beside three busy test workers)."""
+    from kvlab.lifecycle import _ephemeral_start, free_port
+
+    ports = [free_port() for _ in range(32)]
+    assert len(set(ports)) == 32 and all(1024 <= p < _ephemeral_start() for p in ports)
+
+
 def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):
     """The OS may offer a just-closed port again; a stack asking for 16 ports before its children
     bind them must still get 16 different ones (a wide-EP stack once got 43895 twice)."""

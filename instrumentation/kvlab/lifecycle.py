@@ -13,6 +13,7 @@ import atexit
 import gc
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,17 +42,34 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
 _HANDED_OUT: deque[int] = deque(maxlen=4096)   # ports this process gave out and may not bind yet
 
 
+def _ephemeral_start() -> int:
+    """The first port of the range the OS gives outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PICK = random.SystemRandom()   # not `random`'s global state: a seeded notebook would repeat its picks
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now and not handed out before by this process (the OS picks it;
-    the caller binds it soon after). The OS may offer a port it just offered again, so a stack that
-    asks for 16 ports before its children bind them would otherwise get the same one twice."""
+    """A TCP port free on `host` now and not handed out before by this process; the caller binds it
+    soon after. It is drawn below the OS's ephemeral range: a port the OS picks (bind to 0) is also
+    one it may give the next outgoing connection's local end, and on a busy machine one did take
+    such a port before the simulator bound it. Without room below that range, the OS picks."""
+    top = _ephemeral_start()
     for _ in range(64):
+        port = _PICK.randrange(max(1024, top - 12000), top) if top > 2048 else 0
         with socket.socket() as s:
-            s.bind((host, 0))
-            port: int = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.append(port)
-            return port
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue                    # in use (or lingering): draw again
+            bound: int = s.getsockname()[1]
+        if bound not in _HANDED_OUT:
+            _HANDED_OUT.append(bound)
+            return bound
     raise StackError(f"no free TCP port on {host} that this process has not handed out already")
 
 

@@ -37,20 +37,11 @@ from kvlab.doctor import DTYPES
 from kvlab.engine.flags import add_common, port_list
 from kvlab.engine.model import TinySpec, ensure_tiny, resolve_dtype, tiny_spec
 from kvlab.errors import ConfigError, StackError
-from kvlab.lifecycle import announce_ready
+from kvlab.lifecycle import announce_ready, free_port
 from kvlab.process import Child
 
 KV_TOPIC = "kv-events"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _loopback(host: str) -> bool:
@@ -169,8 +160,8 @@ def build_specs(a: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> 
                           "use more --replicas, or the simulator for data-parallel ranks")
     if a.kv_cache_gib <= 0:
         raise ConfigError("--kv-cache-gib must be positive")
-    http = [p or _free_port(a.host) for p in port_list(a.ports, a.replicas, "--ports")]
-    kv = [p or _free_port(a.host) for p in port_list(a.kv_events_ports, a.replicas, "--kv-events-ports")]
+    http = [p or free_port(a.host) for p in port_list(a.ports, a.replicas, "--ports")]
+    kv = [p or free_port(a.host) for p in port_list(a.kv_events_ports, a.replicas, "--kv-events-ports")]
     cpus = cpu_sets(a.cpus, a.replicas)
     otlp = otlp_settings(env)
     specs = []

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvlab.lifecycle import announce_ready, run, stop_requested
+from kvlab.lifecycle import announce_ready, free_port, run, stop_requested
 
 log = logging.getLogger("kvlab.telemetry.sink")
 
@@ -248,13 +247,6 @@ class TraceTarget:
             self.config_file.write_text(self.config_text)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _jaeger_config(host: str, otlp_http: int, otlp_grpc: int, query_http: int, query_grpc: int,
                    health: int) -> str:
     """A config for Jaeger v2 (2.x, OTel-Collector based; see kvlab.traces.sources.jaeger for the
@@ -323,13 +315,13 @@ def choose_trace_target(setting: str, run_dir: Path, host: str = "127.0.0.1",
     if setting == "jaeger" and jaeger is None:
         raise ValueError("observability.traces: jaeger requested but no `jaeger` binary on PATH")
     if setting != "files" and jaeger is not None:
-        ports = [_free_port(host) for _ in range(5)]
+        ports = [free_port(host) for _ in range(5)]
         config = run_dir / "jaeger.yaml"
         return TraceTarget(
             kind="jaeger", otlp_endpoint=f"http://{host}:{ports[0]}", query_url=f"http://{host}:{ports[2]}",
             argv=[jaeger, "--config", str(config)], ready_url=f"http://{host}:{ports[2]}/api/v3/services",
             config_file=config, config_text=_jaeger_config(host, *ports))
-    port = _free_port(host)
+    port = free_port(host)
     traces_dir = run_dir / "traces"
     return TraceTarget(
         kind="files", otlp_endpoint=f"http://{host}:{port}", traces_dir=traces_dir,
