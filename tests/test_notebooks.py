@@ -66,7 +66,7 @@ def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
 def test_a_notebook_runs_alone_starting_what_it_needs():
     """Lab 03 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
     with _runs_env("kvlab-nb-alone-") as runs:
-        _execute(LABS / "03-traces.ipynb", runs.parent / "03-traces.ipynb", overrides="DURATION_S = 15.0")
+        _execute(LABS / "03-traces.ipynb", runs.parent / "03-traces.ipynb", overrides="DURATION_S = 10.0")
         run = (runs / "latest").resolve()
         assert (run / "phase-1-round-robin" / "summary.json").exists()
         assert (run / "phase-2-kv-aware" / "summary.json").exists()

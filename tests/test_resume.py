@@ -316,8 +316,13 @@ def test_the_index_forgets_an_ejected_replica_and_learns_it_again():
                     break
                 await asyncio.sleep(0.1)
             assert h.gw.registry.replicas[dead].healthy
-            for i in range(6):
-                await h.post("/v1/completions", {"prompt": f"fresh {i} " * 20, "max_tokens": 2})
+            routed = []
+            for i in range(30):       # new prompts go by load: until one lands on the readmitted replica
+                _, hdr, _ = await h.post("/v1/completions", {"prompt": f"fresh {i} " * 20, "max_tokens": 2})
+                routed.append(hdr[names.HEADER_ROUTED_TO])
+                if routed[-1] == dead:
+                    break
+            assert routed[-1] == dead, routed                 # it gets traffic again
             assert h.gw.approx.blocks(dead) > 0            # learned again from the requests routed to it
     run(go())
 
