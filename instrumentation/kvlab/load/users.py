@@ -164,9 +164,9 @@ class ChatUser(User):
             try:
                 stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
                             chat_body(req, feed.model, feed.workload.seed + n), headers, record)
-            except BaseException:
-                # Locust stopped this user mid-request (GreenletExit): OTel leaves a span that ends by
-                # a BaseException unmarked, and it would read as a finished request without usage
+            except gevent.GreenletExit:
+                # Locust stopped this user mid-request: OTel leaves a span that a BaseException ends
+                # unmarked, and it would read as a finished request without usage
                 span.set_status(Status(StatusCode.ERROR, "cancelled: the load stopped mid-request"))
                 span.set_attribute(names.ERROR_TYPE, "cancelled")
                 raise

@@ -35,6 +35,7 @@ from kvlab.report import write_report
 from kvlab.run.document import RunDocument, write_run
 from kvlab.run.phases import Phase, RichDisplay, run_phases
 from kvlab.run.presets import OUTAGE, OUTAGE_QUICK
+from kvlab.scenarios.faults import scrape
 from kvlab.scenarios.sampler import Sampler
 from kvlab.stack.base import read_info
 from kvlab.stack.local import LocalStack
@@ -45,7 +46,6 @@ from kvlab.topology import FaultSettings, Topology
 
 LIMIT_S = 120.0     # the phase's default limit: a busy machine restarts the replica slowly
 _REQUESTS = re.compile(rf"^{names.KVLAB_REQUESTS}_total\{{.*\}} (\S+)$", re.M)
-_RUNNING = re.compile(rf"^{re.escape(names.VLLM_NUM_REQUESTS_RUNNING)}(?:\{{.*\}})? (\S+)$", re.M)
 _RESUMES = re.compile(rf'^{names.KVLAB_RESUMES}_total\{{.*?reason="([^"]*)".*?\}} (\S+)$', re.M)
 
 
@@ -107,7 +107,10 @@ class Outage(Sampler):
 
     def _serving(self) -> bool:
         """Whether the replica is running requests now (its own vLLM metrics)."""
-        return sum(float(v) for v in _RUNNING.findall(_get(self.replica.url + "/metrics") or "")) > 0
+        try:
+            return scrape(self.replica.url, names.VLLM_NUM_REQUESTS_RUNNING) > 0
+        except (OSError, ValueError):
+            return False
 
     def done(self, records: list[Record]) -> bool:
         """Whether `after_restart` requests were sent since the replica came back."""
