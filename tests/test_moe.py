@@ -81,7 +81,7 @@ def test_lockstep_ranks_step_together_and_idle_ranks_wait_for_the_busiest():
     busy.scheduler.add(big)
     idle.scheduler.add(small)
     batches = [busy.schedule_step(), idle.schedule_step()]
-    ms = group._cost(batches)
+    ms = group.cost(batches)
     assert ms == pytest.approx(prof.step_ms(1000, 0))          # the step lasts as long as the busiest rank
     assert group.stats["small"].dp_wait_ms == pytest.approx(prof.step_ms(1000, 0) - prof.step_ms(100, 0))
     assert group.stats["big"].dp_wait_ms == 0

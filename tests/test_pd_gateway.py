@@ -20,8 +20,8 @@ from kvlab.contract import Endpoint
 from kvlab.engine.sim.cli import build_replicas, parser
 from kvlab.gateway.config import PDSettings, load_policy
 from kvlab.gateway.discovery.base import StaticDiscovery
-from kvlab.gateway.pd import SPLIT, UNIFIED, decide
 from kvlab.gateway.server import Gateway
+from kvlab.gateway.split import SPLIT, UNIFIED, decide
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.telemetry import names
 from kvlab.telemetry.setup import configure_tracing

@@ -1,13 +1,17 @@
 """The cluster twin alone (no processes): deterministic runs, what the router sees, the decode
-fast-forward's exactness, settings refused before running, and the live runs' outputs."""
+fast-forward's exactness, settings refused before running, the live runs' outputs, prefill/decode
+pools and data-parallel lockstep."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
 import pytest
 
+from kvlab.errors import ConfigError
+from kvlab.load.measure import Record
 from kvlab.load.summary import read_summary
 from kvlab.run.document import read_run
 from kvlab.twin import cli
@@ -167,3 +171,76 @@ def test_a_calibrated_profile_and_a_config_file_drive_the_twin(tmp_path, monkeyp
     assert doc["settings"]["replicas"] == 2 and read_summary(out / "round-robin" / "summary.json").ok == 30
     config.write_text("replicas: 2\nscrape: 50\n")
     assert cli.main(["--config", str(config), "--out", str(out / "again")]) == 2   # a typo is an error
+
+
+# pd's 2 prefill + 2 decode replicas, pd-mix (30 % fresh ~1,550-token prompts, 70 % on 4 shared ones)
+PD = TwinSettings(topology="pd", workload="pd-mix", requests=60, users=6)
+
+
+def _pd(policy: str, **profile: float) -> tuple[Cluster, list[Record]]:
+    plan = resolve(msgspec.structs.replace(PD, policy=policy))
+    if profile:
+        plan = dataclasses.replace(plan, profile=msgspec.structs.replace(plan.profile, **profile))
+    cluster = Cluster(plan, keep_keys=False)
+    return cluster, cluster.run().records
+
+
+def test_pd_splits_long_uncached_prompts_prefill_then_decode_and_serves_the_rest_whole():
+    cluster, records = _pd("kv-aware")
+    split = [r for r in records if r.pd == "split"]
+    assert len(records) == 60 and split and len(split) < 60
+    assert all(r.replica is not None and r.replica.startswith("decode-") for r in records)
+    # each split was one call to a prefill replica, which served nothing else (it never decodes)
+    prefills = [cluster.by_name[n] for n in ("prefill-a", "prefill-b")]
+    assert sum(p.backend.routed for p in prefills) == len(split) and all(p.steps for p in prefills)
+    threshold = cluster.plan.policy.pd.threshold_tokens
+    for r in records:
+        assert r.prompt_tokens is not None and r.predicted_tokens is not None
+        assert (r.pd == "split") == (r.prompt_tokens - r.predicted_tokens >= threshold), r
+    # the decode replica pulled the KV: it reports the prompt as cached but its last block
+    assert all(r.cached_tokens and r.cached_tokens >= r.prompt_tokens - 16 for r in split)
+
+
+def test_pd_first_token_waits_for_the_kv_transfer():
+    _, records = _pd("kv-aware", kv_transfer_ms_fixed=5000.0)
+    split = [r.ttft_ms for r in records if r.pd == "split"]
+    whole = [r.ttft_ms for r in records if r.pd == "unified"]
+    assert split and whole and min(split) > 5000.0 and min(whole) < 5000.0
+
+
+def test_pd_off_serves_every_request_whole_on_all_four_replicas():
+    _, records = _pd("kv-aware-unified")
+    assert len(records) == 60 and all(r.pd is None for r in records)
+    assert {r.replica for r in records} == {"prefill-a", "prefill-b", "decode-a", "decode-b"}
+
+
+def test_pd_the_decode_fast_forward_changes_no_figure(monkeypatch):
+    _, fast = _pd("kv-aware")
+    monkeypatch.setattr(Cluster, "_cruise", lambda self, replica: False)
+    _, slow = _pd("kv-aware")
+    assert [(r.replica, r.pd, r.cached_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in slow] \
+        == [(r.replica, r.pd, r.cached_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in fast]
+
+
+def test_replicas_of_a_pd_topology_keep_its_pools_ratio_and_dp_replicas_bring_their_ranks():
+    plan = resolve(msgspec.structs.replace(PD, replicas=8))
+    assert [m.name for m in plan.members] == ["prefill-a-0", "prefill-a-1", "prefill-b-0", "prefill-b-1",
+                                              "decode-a-0", "decode-a-1", "decode-b-0", "decode-b-1"]
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        resolve(msgspec.structs.replace(PD, replicas=6))
+    wide = resolve(TwinSettings(topology="wide-ep", replicas=3))
+    assert wide.replicas == 12 and wide.members[5].name == "sim-1-dp1" and wide.members[5].replica == "sim-1"
+
+
+def test_the_ranks_of_a_dp_replica_step_in_lockstep_and_dp_aware_routing_pays():
+    out = {}
+    for policy in ("rank-blind", "dp-aware"):
+        cluster = Cluster(resolve(TwinSettings(topology="wide-ep", policy=policy, requests=150, users=8)),
+                          keep_keys=False)
+        out[policy] = cluster.run()
+        for replica in ("sim-0", "sim-1"):
+            steps = {cluster.by_name[f"{replica}-dp{r}"].steps for r in range(4)}
+            assert len(steps) == 1 and steps.pop() > 0, (policy, replica)   # idle ranks step too
+    hit = {p: sum(r.cached_tokens or 0 for r in o.records) / sum(r.prompt_tokens or 0 for r in o.records)
+           for p, o in out.items()}
+    assert hit["dp-aware"] > hit["rank-blind"] + 0.1

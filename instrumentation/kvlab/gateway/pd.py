@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation in the gateway: the split-or-unified decision and the prefill call.
+"""Prefill/decode disaggregation in the gateway: the split-or-unified decision (made in split.py,
+which `kvlab twin` shares) and the prefill call.
 
 The decode replica is chosen first, by the ordinary (KV-aware) scheduler over the decode and
 `both` replicas. What it lacks of the prompt decides: when its uncached part reaches
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -29,37 +29,15 @@ from kvlab.gateway.endpoints import Backend, Registry
 from kvlab.gateway.exchange import Exchange
 from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.router import Routed, Router
-from kvlab.gateway.scheduler.base import Candidate, RouteRequest
+from kvlab.gateway.split import SPLIT, PDPlan, plan_split, prefill_replicas
 from kvlab.gateway.upstream import Attempt, Call, Failure, Upstream
-from kvlab.kvcache.hashing import block_keys
 from kvlab.telemetry import names
 
-SPLIT, UNIFIED, FALLBACK = "split", "unified", "fallback"
+FALLBACK = "fallback"
 
 # what llm-d's sidecar sends to the prefill replica (NIXL protocol v2)
 PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-def decide(settings: PDSettings, prompt_tokens: int, decode_prefix_tokens: int,
-           prefill_available: bool) -> tuple[str, str, int]:
-    """(decision, reason, uncached tokens on the decode replica). Reasons: no-prefill-replica,
-    short-prompt, cached-on-decode (unified); uncached-above-threshold (split)."""
-    uncached = max(0, prompt_tokens - decode_prefix_tokens)
-    if not prefill_available:
-        return UNIFIED, "no-prefill-replica", uncached
-    if prompt_tokens < settings.threshold_tokens:
-        return UNIFIED, "short-prompt", uncached
-    if uncached < settings.threshold_tokens:
-        return UNIFIED, "cached-on-decode", uncached
-    return SPLIT, "uncached-above-threshold", uncached
-
-
-@dataclass(slots=True)
-class PDPlan:
-    decision: str
-    reason: str
-    uncached_tokens: int
-    prefill: list[Candidate] = field(default_factory=list)   # prefill replicas in the order to try
 
 
 class Disaggregation:
@@ -70,36 +48,26 @@ class Disaggregation:
         self.settings, self.registry, self.router = settings, registry, router
         self.upstream, self.metrics, self.tracer = upstream, metrics, tracer
 
-    def _prefill_replicas(self) -> list[Backend] | None:
-        """Healthy prefill-role replicas; None when the topology has none at all (P/D off)."""
-        pool = [r for r in self.registry.replicas.values() if r.endpoint.role == "prefill"]
-        return [r for r in pool if r.healthy] if pool else None
-
     def plan(self, tokens: list[int], routed: Routed) -> PDPlan | None:
         """The decision for a routed request, in its own span; None when P/D is off."""
-        prefills = self._prefill_replicas() if self.settings.enabled else None
+        prefills = prefill_replicas(self.registry) if self.settings.enabled else None
         if prefills is None:
             return None
         with self.tracer.start_as_current_span(names.SPAN_PD_DECISION) as s:
             decode = routed.decision.chosen
-            decision, reason, uncached = decide(self.settings, len(tokens), decode.prefix_tokens, bool(prefills))
-            plan = PDPlan(decision, reason, uncached)
-            if decision == SPLIT:
-                keys = dict(routed.keys_by_size)
-                for bs in {self.router.block_size(r) for r in prefills} - keys.keys():
-                    keys[bs] = block_keys(tokens, bs)
-                prefix, _, _ = self.router.prefix_of(prefills, keys, len(tokens))
-                d = self.router.ranker.schedule(RouteRequest(len(tokens)), prefills, prefix)
-                plan.prefill = d.ranked
+            plan = plan_split(self.settings, self.router, prefills, tokens, routed)
+            d = plan.prefill_decision
+            if d is not None:
                 s.set_attribute(names.PD_PREFILL_REPLICA, d.chosen.name)
                 s.set_attribute(names.PD_PREFILL_CANDIDATES, json.dumps([
                     {"replica": c.name, "prefix_tokens": c.prefix_tokens, "total": round(c.total, 4),
                      "inflight": c.replica.inflight, "waiting": c.replica.waiting} for c in d.candidates]))
-            s.set_attributes({names.PD_DECISION: decision, names.PD_REASON: reason,
-                              names.PD_UNCACHED_TOKENS: uncached, names.PD_THRESHOLD: self.settings.threshold_tokens,
+            s.set_attributes({names.PD_DECISION: plan.decision, names.PD_REASON: plan.reason,
+                              names.PD_UNCACHED_TOKENS: plan.uncached_tokens,
+                              names.PD_THRESHOLD: self.settings.threshold_tokens,
                               names.PD_DECODE_REPLICA: decode.name, names.PROMPT_TOKENS: len(tokens),
                               names.PREFIX_PREDICTED_TOKENS: decode.prefix_tokens})
-        self.metrics.pd_decisions.labels(decision, reason).inc()
+        self.metrics.pd_decisions.labels(plan.decision, plan.reason).inc()
         return plan
 
     async def run(self, ex: Exchange) -> bool:

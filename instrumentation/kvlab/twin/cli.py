@@ -44,7 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of twin settings (flags override it)")
     p.add_argument("--topology", help="shipped topology name or YAML path (default quickstart)")
     p.add_argument("--policy", help="comma-separated policies, or `all` (default: the topology's)")
-    p.add_argument("--replicas", type=int, help="replicas, 1-128 (default: the topology's)")
+    p.add_argument("--replicas", type=int,
+                   help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
+                        "replica brings its ranks; 1-128 endpoints in all")
     p.add_argument("--profile", help="latency profile (default: the topology's sim profile)")
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the topology's / profile's)")

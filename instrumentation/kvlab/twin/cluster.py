@@ -5,6 +5,12 @@ as it is at that moment), the request reaches its replica's queue (after the tok
 overheads), a replica's engine step ends (tokens delivered, KV events emitted), a batch of KV
 events reaches the gateway's precise index, the load view is scraped. Nothing waits on a clock: a
 run of an hour of traffic takes as long as its Python work.
+
+With prefill/decode pools the gateway's own P/D decision (`gateway/split.py` `plan_split`) decides each
+request: a split one is first a one-token request on the chosen prefill replica, then, one
+request hop after its answer, a request on the decode replica that pulls the prompt's KV
+(`engine/sim/transfer.py` `reserve`, `transfer_ms` later `land`) before it is queued. The ranks of
+a data-parallel replica step together (`replica.Lockstep`, the simulator's `LockstepGroup`).
 """
 
 from __future__ import annotations
@@ -16,20 +22,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
+from kvlab.engine.sim.dp import lockstep_group
+from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Request
+from kvlab.engine.sim.transfer import Pull, reserve
 from kvlab.gateway.endpoints import Registry
 from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Router
 from kvlab.gateway.scheduler import presets
+from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.events import Event
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
 from kvlab.twin.feed import Feed, Prompt
-from kvlab.twin.replica import Replica
+from kvlab.twin.replica import Lockstep, Replica
 from kvlab.twin.settings import Plan
 
-SEND, SUBMIT, STEP, EVENTS, SCRAPE, CRUISE = 0, 1, 2, 3, 4, 5
+SEND, SUBMIT, STEP, EVENTS, SCRAPE, CRUISE, TRANSFER, LOCKSTEP = 0, 1, 2, 3, 4, 5, 6, 7
 _OUTPUT_TOKEN = 1000   # the id every simulated output token has (its value never matters here)
 
 
@@ -49,6 +59,8 @@ class Flight:
     gap_sum: float = 0.0           # inter-token gaps: sum, count, worst
     gap_n: int = 0
     gap_max: float = 0.0
+    decode: Replica | None = None  # a P/D prefill leg: the decode replica its answer goes on to
+    offered: int = 0               # a P/D decode leg: prompt blocks the prefill replica offers to pull
 
 
 @dataclass(slots=True)
@@ -78,16 +90,20 @@ class Cluster:
         self.precise = PreciseIndex(ttl, clock=lambda: self.now_ms / 1000.0)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         events = cfg.index.kind == "precise"
-        self.replicas = [Replica(i, plan.profile, plan.sim, plan.num_blocks, events, plan.settings.seed)
-                         for i in range(plan.replicas)]
+        self.replicas = [Replica(m, plan.profile, plan.sim, plan.num_blocks, events, plan.settings.seed)
+                         for m in plan.members]
+        self.by_name = {r.name: r for r in self.replicas}
+        self.feed = feed or Feed(plan.workload)
+        self.sampler = self._lockstep(plan)
         self.registry = Registry()
         self.registry.update([r.backend.endpoint for r in self.replicas])
         self.registry.replicas = {r.name: r.backend for r in self.replicas}
         for r in self.replicas:
             r.backend.events_state = "live" if events else "none"
         self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg, _rng(plan)))
+        # the prefill pool when the policy splits (a twin replica never fails: it is fixed)
+        self.prefills = prefill_replicas(self.registry) if cfg.pd.enabled else None
         self.book = PrefillBook()
-        self.feed = feed or Feed(plan.workload)
         self._heap: list[tuple[float, int, int, object]] = []     # engine-side events
         self._intake: list[tuple[float, int, int, object]] = []   # sends and submits
         self._seq = 0
@@ -95,6 +111,22 @@ class Cluster:
         self._pending_events: dict[str, list[Event]] = {}
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
         self._ids = 0
+
+    def _lockstep(self, plan: Plan) -> Sampler | None:
+        """Join each data-parallel (or MoE) replica's ranks in a `Lockstep` built as `kvlab engine
+        sim` builds its group; with an MoE model, the live sampler's output tokens (the experts a
+        decode token goes to depend on its id)."""
+        tok = self.feed.tok.tok
+        groups: dict[str, list[Replica]] = {}
+        for m, r in zip(plan.members, self.replicas):
+            groups.setdefault(m.replica or m.name, []).append(r)
+        moe = False
+        for ranks in groups.values():
+            lock = lockstep_group(plan.profile, plan.sim.time_scale, tok, len(ranks))
+            if lock is not None:
+                Lockstep(lock, ranks)
+                moe = moe or lock.moe is not None
+        return Sampler(tok, plan.sim.seed) if moe else None
 
     # ---- the event queues -----------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -146,6 +178,10 @@ class Cluster:
                     r.scrape()
                 if intake or self._flights:   # requests still to come or in flight
                     self._push(t + self.info.scrape_interval_ms, SCRAPE, None)
+            elif kind == TRANSFER:
+                self._landed(*obj)  # type: ignore[misc]
+            elif kind == LOCKSTEP:
+                self._lockstep_end(obj)  # type: ignore[arg-type]
         return Outcome(self._records, self._end_ms / 1000.0, sum(r.steps for r in self.replicas),
                        [r.name for r in self.replicas], self.precise.total_blocks(), self.precise.confirmed,
                        self.precise.expired)
@@ -207,30 +243,48 @@ class Cluster:
         d = routed.decision
         if self.sent is not None:
             self.sent.append(Blocks(len(tokens), routed.keys_by_size[self.plan.sim.block_size]))
-        backend = d.chosen.replica
-        replica = self.replicas[int(backend.name.rsplit("-", 1)[1])]
-        work = max(len(tokens) - d.chosen.prefix_tokens, 0)
-        backend.inflight += 1
-        backend.routed += 1
-        backend.inflight_tokens += work
-        prefill = self.book.start(backend, work)
-        self._ids += 1
-        rid = f"t{self._ids}"
-        req = Request(rid, tokens, [_OUTPUT_TOKEN] * prompt.max_tokens, replica.sched.prompt_keys(tokens))
+        replica = self.by_name[d.chosen.name]
+        pd = plan_split(self.plan.policy.pd, self.router, self.prefills, tokens, routed) \
+            if self.prefills is not None else None
         plan = self.plan
         record = Record(ts=now / 1000.0, phase=plan.policy.name, policy=plan.policy.name,
                         workload=plan.workload.name, group=prompt.group, session=prompt.session, step=prompt.step,
                         status=200, prompt_tokens=len(tokens), available_tokens=d.available_tokens,
                         predicted_tokens=d.predicted_tokens, speculative_tokens=d.speculative_tokens,
-                        replica=replica.name)
-        flight = Flight(prompt, now, replica, req, prefill, work, record, user)
-        self._flights[rid] = flight
+                        replica=replica.name, pd=pd.decision if pd is not None else None)
         delay = self.info.request_overhead_ms + self.info.tokenize_ms_per_1k * len(tokens) / 1000.0
-        prefill.started = (now + delay) / 1000.0   # the gateway's clock for the TTFT sample
+        if pd is not None and pd.decision == SPLIT:
+            # the prefill call: the same prompt, one token, on the prefill pool's first choice
+            first = pd.prefill[0]
+            flight = self._call(prompt, now, self.by_name[first.name], max(len(tokens) - first.prefix_tokens, 0),
+                                record, user, now + delay, 1)
+            flight.decode = replica
+        else:
+            flight = self._call(prompt, now, replica, max(len(tokens) - d.chosen.prefix_tokens, 0), record, user,
+                                now + delay, prompt.max_tokens)
         if rest:   # an open-loop session's later requests follow this one (closed loop inside it)
             self._user_session[-self._ids] = rest
             flight.user = -self._ids
         self._push(now + delay, SUBMIT, flight)
+
+    def _call(self, prompt: Prompt, sent_ms: float, replica: Replica, work: int, record: Record, user: int | None,
+              at_ms: float, max_tokens: int) -> Flight:
+        """A call to `replica` reaching it at `at_ms`, with the gateway's lease on it (upstream.py
+        `Lease`: in flight, routed, its uncached tokens as pending prefill work)."""
+        backend = replica.backend
+        backend.inflight += 1
+        backend.routed += 1
+        backend.inflight_tokens += work
+        prefill = self.book.start(backend, work)
+        prefill.started = at_ms / 1000.0   # the gateway's clock for the TTFT sample
+        self._ids += 1
+        rid = f"t{self._ids}"
+        tokens = prompt.tokens
+        out = self.sampler.draw(tokens, max_tokens) if self.sampler is not None else [_OUTPUT_TOKEN] * max_tokens
+        flight = Flight(prompt, sent_ms, replica, Request(rid, tokens, out, replica.sched.prompt_keys(tokens)),
+                        prefill, work, record, user)
+        self._flights[rid] = flight
+        return flight
 
     def _settle_all(self) -> None:
         for r in list(self._cruising):
@@ -239,14 +293,55 @@ class Cluster:
     def _submit(self, flight: Flight) -> None:
         replica = flight.replica
         self._settle(replica)
+        if flight.offered:   # a decode call with KV to pull: queued once the KV has landed
+            pull = reserve(replica.pool, flight.req, flight.offered)
+            flight.offered = 0
+            if pull.tokens:
+                self._push(self.now_ms + replica.profile.transfer_ms(pull.tokens) * replica.scale, TRANSFER,
+                           (flight, pull))
+                return
         replica.sched.add(flight.req)
         if not replica.busy:
             self._start(replica)
 
+    def _landed(self, flight: Flight, pull: Pull) -> None:
+        """A decode replica's KV pull is done: the blocks are cached, the request queued."""
+        self._settle(flight.replica)
+        pull.land(flight.req)
+        pull.release()
+        self._submit(flight)
+
+    def _handoff(self, f: Flight) -> None:
+        """A prefill call answered (its one token): the gateway releases its lease and makes the
+        decode call, which offers the prefill replica's cached full prompt blocks (transfer.py
+        `handoff`) and reaches the decode replica one request hop later."""
+        now = self.now_ms
+        del self._flights[f.req.id]
+        b = f.replica.backend
+        b.inflight -= 1
+        b.inflight_tokens -= f.work
+        self.book.first_token(f.prefill, now / 1000.0)   # the answer is the first token
+        if f.replica.group is not None:
+            f.replica.group.group.stats.pop(f.req.id, None)
+        pool = f.replica.pool
+        offered = len(pool.cached_prefix(f.req.keys[:f.req.num_prompt // pool.block_size]))
+        decode = f.decode
+        assert decode is not None
+        at = now + self.info.request_overhead_ms
+        # the decode call's lease: the prompt beyond the decode replica's predicted prefix (exchange.py `work`)
+        work = max(len(f.prompt.tokens) - (f.record.predicted_tokens or 0), 0)
+        d = self._call(f.prompt, f.sent_ms, decode, work, f.record, f.user, at, f.prompt.max_tokens)
+        d.offered = offered
+        self._push(at, SUBMIT, d)
+
     # ---- the engines -----------------------------------------------------------------------
     def _start(self, replica: Replica) -> None:
-        """An idle replica with work starts its next step (or a cruise of identical decode steps)."""
-        if not self._cruise(replica):
+        """An idle replica with work starts its next step (or a cruise of identical decode steps);
+        a rank starts its whole group's (no cruise: a group step's cost depends on every rank)."""
+        group = replica.group
+        if group is not None:
+            self._push(self.now_ms + group.start_step(), LOCKSTEP, group)
+        elif not self._cruise(replica):
             self._push(self.now_ms + replica.start_step(), STEP, replica)
 
     def _cruise(self, replica: Replica) -> bool:
@@ -334,6 +429,19 @@ class Cluster:
             self._start(replica)
 
     def _step_end(self, replica: Replica) -> None:
+        self._deliver(replica)
+        if replica.sched.has_work() and not replica.busy:
+            self._start(replica)
+
+    def _lockstep_end(self, group: Lockstep) -> None:
+        ranks = group.ranks
+        for r in ranks:
+            self._deliver(r)
+        if any(r.sched.has_work() for r in ranks):
+            self._start(ranks[0])
+
+    def _deliver(self, replica: Replica) -> None:
+        """The step in progress ends: its tokens reach their clients, its KV events are published."""
         now = self.now_ms
         batch = replica.batch
         assert batch is not None   # the step in progress
@@ -343,6 +451,9 @@ class Cluster:
         for req in replica.sched.complete(batch):
             f = flights[req.id]
             if req.num_output == 1:
+                if f.decode is not None:   # a P/D prefill call's answer
+                    self._handoff(f)
+                    continue
                 f.record.ttft_ms = now - f.sent_ms
                 self.book.first_token(f.prefill, now / 1000.0)
             else:
@@ -355,8 +466,6 @@ class Cluster:
                 self._finish(f)
         if replica.events:
             self._publish(replica)
-        if replica.sched.has_work() and not replica.busy:
-            self._start(replica)
 
     def _publish(self, replica: Replica) -> None:
         events = replica.pool.take_events()
@@ -386,6 +495,8 @@ class Cluster:
         b.inflight -= 1
         b.inflight_tokens -= f.work
         self.book.finish(f.prefill)
+        if f.replica.group is not None:   # what the live server's span takes of the group's stats
+            f.replica.group.group.stats.pop(f.req.id, None)
         rec = f.record
         rec.e2e_ms = now - f.sent_ms
         self._end_ms = now

@@ -1,5 +1,6 @@
 """One simulated replica in the twin: the simulator's scheduler and block pool, and the gateway's
-view of it (`Backend`), stepped by the cluster's event loop instead of an asyncio task."""
+view of it (`Backend`), stepped by the cluster's event loop instead of an asyncio task. The ranks
+of a data-parallel (or MoE) replica step together (`Lockstep`), as `kvlab engine sim` runs them."""
 
 from __future__ import annotations
 
@@ -7,30 +8,33 @@ from typing import Any
 
 from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
+from kvlab.engine.sim.dp import LockstepGroup
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.gateway.endpoints import Backend
 from kvlab.topology import SimSettings
+from kvlab.twin.settings import Member
 
 
 class Replica:
-    """Engine state of one replica; `step_ms` is the live engine's step-time model."""
+    """Engine state of one replica (or one rank); `step_ms` is the live engine's step-time model."""
 
-    __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "name", "pool", "profile", "scale",
-                 "sched", "steps")
+    __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "group", "name", "pool", "profile",
+                 "scale", "sched", "steps")
 
-    def __init__(self, index: int, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
+    def __init__(self, member: Member, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
                  seed: int) -> None:
-        self.name = f"sim-{index}"
+        self.name = member.name
         self.profile = profile
         self.scale = sim.time_scale
         self.pool = BlockPool(num_blocks, sim.block_size, events=events,
                               cpu_blocks=sim.cpu_kv_blocks or profile.cpu_kv_blocks, pinned_share=sim.typed_retention)
-        # the same per-replica hash seeds as `kvlab engine sim --replicas N` (engine/sim/cli.py)
+        # the same per-rank hash seeds as `kvlab engine sim` (engine/sim/cli.py)
         self.sched = Scheduler(self.pool, sim.max_num_seqs, sim.max_num_batched_tokens,
-                               hash_seed=seed * 1009 + index + 1)
+                               hash_seed=seed * 1009 + member.seed_index + 1)
         self.backend = Backend(Endpoint(name=self.name, url=f"twin://{self.name}",
-                                        kv_events=f"twin://{self.name}/events" if events else None))
+                                        kv_events=f"twin://{self.name}/events" if events else None,
+                                        role=member.role, dp_rank=member.dp_rank, replica=member.replica))
         self.backend.block_size = sim.block_size            # what the first scrape tells the gateway
         self.backend.num_gpu_blocks = num_blocks
         self.events = events              # KV events published (a precise-index policy)
@@ -40,6 +44,7 @@ class Replica:
         self.gen = 0                       # which cruise end event is current
         self.done: list[Any] = []          # flights a fast-forwarded decode run finishes (cluster.py)
         self.steps = 0
+        self.group: Lockstep | None = None   # the ranks it steps with, if any
 
     def start_step(self) -> float:
         """Schedule the next batch; its modelled duration in ms."""
@@ -56,3 +61,28 @@ class Replica:
         r.waiting = float(len(self.sched.waiting))
         r.running = float(len(self.sched.running))
         r.kv_usage = self.pool.usage
+
+
+class Lockstep:
+    """The ranks of one replica stepping together: every rank schedules a batch (an idle one an
+    empty batch, the live dummy step) and the step lasts what the live `LockstepGroup.cost` says
+    for all of them: the busiest rank's dense time plus the MoE layers' (engine/sim/dp.py)."""
+
+    __slots__ = ("group", "ranks")
+
+    def __init__(self, group: LockstepGroup, ranks: list[Replica]) -> None:
+        self.group = group
+        self.ranks = ranks
+        for r in ranks:
+            r.group = self
+
+    def start_step(self) -> float:
+        """Schedule every rank's batch; the group step's duration in ms."""
+        batches = []
+        for r in self.ranks:
+            b = r.sched.schedule()
+            r.batch = b
+            r.busy = True
+            r.steps += 1
+            batches.append(b)
+        return self.group.cost(batches) * self.group.time_scale

@@ -9,6 +9,7 @@ every lag off: the router's upper bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -81,6 +82,17 @@ class TwinSettings(Strict, frozen=True):
 
 
 @dataclass(frozen=True, slots=True)
+class Member:
+    """One endpoint the gateway routes to, named, labelled and seeded as `kvlab engine sim` does."""
+
+    name: str
+    role: str                  # both | prefill | decode
+    seed_index: int            # its rank's index in its pool's process: hash seed = seed * 1009 + index + 1
+    replica: str | None = None  # the data-parallel replica it is a rank of (None: it is the replica)
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Everything a run needs, resolved and validated."""
 
@@ -90,7 +102,8 @@ class Plan:
     profile: LatencyProfile
     profile_name: str
     sim: SimSettings                      # engine sizes: the topology's, or the profile's when it was named
-    replicas: int
+    replicas: int                         # endpoints: each rank of a data-parallel replica counts
+    members: list[Member]
     num_blocks: int
     workload: Workload[Any]
     arrival: Arrival | None               # open loop at a rate
@@ -102,10 +115,8 @@ class Plan:
 def resolve(s: TwinSettings) -> Plan:
     """Check every setting and build the run's parts, or raise a ConfigError saying what is wrong."""
     topo = load_topology(s.topology if s.topology.endswith((".yaml", ".yml")) else builtin(s.topology))
-    if any(p.role != "both" for p in topo.pools if p.replicas):
-        raise ConfigError(f"topology {topo.name}: prefill/decode pools are not modelled by the twin yet "
-                          "(docs/twin.md, what is not simulated)")
-    replicas = s.replicas if s.replicas is not None else sum(p.replicas * p.data_parallel_size for p in topo.pools)
+    members = layout(topo, s.replicas)
+    replicas = len(members)
     if not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
     policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
@@ -140,5 +151,35 @@ def resolve(s: TwinSettings) -> Plan:
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
     users = s.users if s.users is not None else (None if rate or trace_timing else 8)
-    return Plan(s, topo, policy, profile, name, sim, replicas, blocks, workload, rate, users, trace_timing,
+    return Plan(s, topo, policy, profile, name, sim, replicas, members, blocks, workload, rate, users, trace_timing,
                 s.information.effective())
+
+
+def layout(topo: Topology, replicas: int | None) -> list[Member]:
+    """Every endpoint of the topology, `replicas` replicas in all (None: the topology's). A P/D
+    topology keeps its pools' ratio, so `replicas` must be a multiple of its smallest form (pd's
+    2 prefill + 2 decode pools of one: a multiple of 4); a data-parallel replica counts once and
+    brings its `data_parallel_size` ranks. One pool's replicas are `sim-I` (`sim-I-dpR`), as the
+    twin has always named them; several pools' are named as `kvlab up` names them."""
+    ps = [p for p in topo.pools if p.replicas]
+    counts = [p.replicas for p in ps]
+    if replicas is not None and replicas != sum(counts):
+        if len(ps) == 1:
+            counts = [replicas]
+        else:
+            unit = sum(counts) // math.gcd(*counts)
+            if replicas < 1 or replicas % unit:
+                raise ConfigError(f"topology {topo.name}: --replicas must be a multiple of {unit} to keep its pools' "
+                                  f"ratio ({', '.join(f'{p.name}: {p.replicas}' for p in ps)}) (got {replicas})")
+            counts = [c * replicas // sum(counts) for c in counts]
+    out: list[Member] = []
+    for p, n in zip(ps, counts):
+        dp = p.data_parallel_size
+        for i in range(n):
+            base = f"sim-{i}" if len(ps) == 1 else (p.name if n == 1 else f"{p.name}-{i}")
+            for r in range(dp):
+                if dp == 1:
+                    out.append(Member(base, p.role, i))
+                else:
+                    out.append(Member(f"{base}-dp{r}", p.role, i * dp + r, base, r))
+    return out

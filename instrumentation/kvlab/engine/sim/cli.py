@@ -21,9 +21,7 @@ from kvlab.lifecycle import announce_ready, run, stop_requested
 from kvlab.telemetry.setup import configure_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
-    from kvlab.engine.sim.dp import LockstepGroup
-    from kvlab.engine.sim.replica import EngineConfig, Replica
-    from kvlab.tokenizer import Tokenizer
+    from kvlab.engine.sim.replica import Replica
 
 log = logging.getLogger("kvlab.engine.sim")
 
@@ -57,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
 
 def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
     """The replicas described by parsed flags (not started)."""
+    from kvlab.engine.sim.dp import lockstep_group
     from kvlab.engine.sim.profile import get_profile
     from kvlab.engine.sim.replica import EngineConfig, Replica
     from kvlab.engine.sim.sampler import Sampler
@@ -93,7 +92,7 @@ def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
     replicas: list[Replica] = []
     for i in range(args.replicas):
         base = args.name if args.replicas == 1 else f"{args.name}-{i}"
-        group = lockstep_group(cfg, tokenizer, dp)
+        group = lockstep_group(cfg.profile, cfg.time_scale, tokenizer, dp)
         for r in range(dp):
             j = i * dp + r   # ports and hash seeds are per rank
             kv = None if args.no_kv_events else f"tcp://{args.host}:{kv_ports[j] or '*'}"
@@ -102,17 +101,6 @@ def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
                                     dp_rank=None if dp == 1 else r, replica=None if dp == 1 else base,
                                     group=group))
     return replicas, http_ports
-
-
-def lockstep_group(cfg: EngineConfig, tokenizer: Tokenizer, dp: int) -> LockstepGroup | None:
-    """The shared clock of one replica's ranks (dp.py), or None for a dense single-rank replica."""
-    if dp == 1 and cfg.profile.moe is None:
-        return None
-    from kvlab.engine.sim.dp import LockstepGroup
-    from kvlab.engine.sim.moe import MoeModel
-
-    moe = MoeModel(cfg.profile.moe, tokenizer.vocab_size) if cfg.profile.moe is not None else None
-    return LockstepGroup(cfg.profile, cfg.time_scale, moe)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from opentelemetry import trace
@@ -31,6 +31,9 @@ from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import Batch, Request
 from kvlab.lifecycle import cancel
 from kvlab.telemetry import names
+
+if TYPE_CHECKING:
+    from kvlab.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ class LockstepGroup:
             now = loop.time()
             start = next_start if next_start is not None and now - next_start <= JITTER_S else now
             batches = [m.schedule_step() for m in self.members]
-            step_ms = self._cost(batches)
+            step_ms = self.cost(batches)
             target = start + step_ms * self.time_scale / 1000.0
             delay = target - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
@@ -114,7 +117,7 @@ class LockstepGroup:
                     log.exception("engine step failed")
                 m._publish()
 
-    def _cost(self, batches: list[Batch]) -> float:
+    def cost(self, batches: list[Batch]) -> float:
         """Unscaled duration of one lockstep step; accumulates every request's MoE/DP stats."""
         profile, scale = self.profile, self.time_scale
         dense = [profile.step_ms(b.prefill_tokens, b.decode_seqs, b.prefill_ctx_k, len(b.admitted), b.loaded_blocks)
@@ -170,6 +173,16 @@ class LockstepGroup:
             child(names.SPAN_ENGINE_MOE_DISPATCH, parent, req.t_scheduled, end, attrs)
         else:
             span.set_attribute(names.DP_WAIT_MS, attrs[names.DP_WAIT_MS])
+
+
+def lockstep_group(profile: LatencyProfile, time_scale: float, tokenizer: Tokenizer,
+                   dp: int) -> LockstepGroup | None:
+    """The shared clock of one replica's ranks, or None for a dense single-rank replica
+    (`kvlab engine sim` and `kvlab twin` both build their groups here)."""
+    if dp == 1 and profile.moe is None:
+        return None
+    moe = MoeModel(profile.moe, tokenizer.vocab_size) if profile.moe is not None else None
+    return LockstepGroup(profile, time_scale, moe)
 
 
 def _computed(req: Request) -> np.ndarray:

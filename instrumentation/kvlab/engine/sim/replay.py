@@ -156,7 +156,7 @@ def replay(arrivals: list[Arrival], router: Router, profile: LatencyProfile, *, 
                     for req in batch.admitted:
                         req.t_scheduled = int(now * 1e6)
                         rk.result.cached_tokens += req.num_cached or 0
-                ms = group._cost(bs_)
+                ms = group.cost(bs_)
                 result.dp_wait_ms += sum(max(group.last_dense) - d for d in group.last_dense)
                 if group.last_moe is not None:
                     result.moe_wait_ms += group.last_moe.wait_ms

@@ -34,6 +34,7 @@ import msgspec
 from kvlab.errors import RequestError
 
 if TYPE_CHECKING:
+    from kvlab.engine.sim.blockpool import Block, BlockPool
     from kvlab.engine.sim.replica import Replica
     from kvlab.engine.sim.scheduler import Request
 
@@ -119,30 +120,69 @@ class KVTransfer:
         """Receive the prompt blocks this replica lacks; they end up cached and free, so the
         scheduler finds them as prefix hits when the request is submitted right after."""
         sched = self.r.engine.scheduler
-        pool, bs = sched.pool, sched.block_size
         offered = remote_block_count(params.remote_block_ids)
-        cap = min(offered, (req.num_prompt - 1) // bs)   # the last token is always computed locally
-        keys = req.keys[:cap]
-        local = pool.cached_prefix(keys)
-        n = cap - len(local)
         t0 = time.time_ns()
+        p = reserve(sched.pool, req, offered)
 
         def done(tokens: int, skipped: str | None = None) -> Pulled:
-            return Pulled(tokens, len(local) * bs, offered * bs, params.remote_engine_id, t0, time.time_ns(), skipped)
+            return Pulled(tokens, p.local_tokens, offered * p.block_size, params.remote_engine_id, t0,
+                          time.time_ns(), skipped)
 
-        if n <= 0:
-            return done(0)
-        pool.touch(local)
-        new = pool.allocate(n)
-        if new is None:
-            pool.free(reversed(local))
-            return done(0, "no free blocks: recomputed locally")
+        if not p.tokens:
+            return done(0, p.skipped)
         try:
             cfg = self.r.cfg
-            await asyncio.sleep(cfg.profile.transfer_ms(n * bs) * cfg.time_scale / 1000.0)
-            start = len(local)
-            pool.cache(new, keys[start:], keys[start - 1] if start else None,
-                       req.prompt[start * bs:cap * bs])
+            await asyncio.sleep(cfg.profile.transfer_ms(p.tokens) * cfg.time_scale / 1000.0)
+            p.land(req)
         finally:
-            pool.free(reversed(local + new))
-        return done(n * bs)
+            p.release()
+        return done(p.tokens)
+
+
+@dataclass(slots=True)
+class Pull:
+    """A decode replica's pull in progress: the blocks it holds until the KV has landed. The live
+    replica waits `transfer_ms(tokens)` between `reserve` and `land`; `kvlab twin` schedules it."""
+
+    pool: BlockPool
+    block_size: int
+    local: list[Block]           # prompt blocks the replica already had cached (referenced)
+    new: list[Block]             # blocks allocated for the pulled KV
+    skipped: str | None = None   # why nothing is pulled although blocks were offered
+
+    @property
+    def tokens(self) -> int:
+        return len(self.new) * self.block_size
+
+    @property
+    def local_tokens(self) -> int:
+        return len(self.local) * self.block_size
+
+    def land(self, req: Request) -> None:
+        """The KV arrived: cache the pulled blocks under the prompt's keys (BlockStored events)."""
+        bs, start = self.block_size, len(self.local)
+        end = start + len(self.new)
+        self.pool.cache(self.new, req.keys[start:end], req.keys[start - 1] if start else None,
+                        req.prompt[start * bs:end * bs])
+
+    def release(self) -> None:
+        """Drop the pull's references: its blocks stay cached for the request to hit."""
+        self.pool.free(reversed(self.local + self.new))
+
+
+def reserve(pool: BlockPool, req: Request, offered: int) -> Pull:
+    """Hold what a decode replica keeps of the prompt and allocate the blocks it lacks of the
+    `offered` full blocks (at most (prompt - 1) // block_size: the last token is always computed
+    locally). Out of free blocks nothing is pulled and the prompt is recomputed (vLLM's policy)."""
+    bs = pool.block_size
+    keys = req.keys[:min(offered, (req.num_prompt - 1) // bs)]
+    local = pool.cached_prefix(keys)
+    n = len(keys) - len(local)
+    if n <= 0:
+        return Pull(pool, bs, local, [])
+    pool.touch(local)
+    new = pool.allocate(n)
+    if new is None:
+        pool.free(reversed(local))
+        return Pull(pool, bs, local, [], "no free blocks: recomputed locally")
+    return Pull(pool, bs, local, new)
