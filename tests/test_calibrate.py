@@ -101,3 +101,47 @@ def test_simulator_ttft_follows_the_fitted_formula(home, tmp_path):
         assert p["ttft_ms"] == pytest.approx(want, rel=0.1, abs=8), p
     long_cold = next(p for p in points if p["n"] == 3000 and p["cached"] == 0)
     assert long_cold["ttft_ms"] > 3000 * KNOWN["prefill_ms_per_token"] * 1.5   # the context term is charged
+
+
+def test_a_keep_alive_connection_closed_on_reuse_is_sent_again_and_a_dead_engine_is_a_clear_error():
+    """uvicorn closes a pooled connection after 5 idle s: the calibration's send that meets it is
+    made once more (a CI-like run crashed with ServerDisconnectedError once); a dead engine is a
+    StackError naming it, not a traceback."""
+    from aiohttp import web
+
+    from kvlab.calibration.measure import stream
+    from kvlab.errors import StackError
+
+    calls = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        calls.append(1)
+        if len(calls) == 1:                      # the server drops the connection, as on keep-alive expiry
+            request.transport.close()
+            return web.Response()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await resp.write(b'data: {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 16}}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as client:
+                got = await stream(client, f"http://127.0.0.1:{port}", "m", [1, 2, 3], 1)
+                assert len(calls) == 2 and got["cached"] == 16 and len(got["times"]) == 1
+        finally:
+            await runner.cleanup()
+        async with aiohttp.ClientSession() as client:
+            with pytest.raises(StackError, match=f"127.0.0.1:{port}"):
+                await stream(client, f"http://127.0.0.1:{port}", "m", [1], 1)
+
+    asyncio.run(main())

@@ -60,7 +60,21 @@ def cached_tokens(n: int, fraction: float, block_size: int) -> int:
 
 
 async def stream(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> Streamed:
-    """One streamed completion: TTFT, the times of its tokens, and `cached_tokens`."""
+    """One streamed completion: TTFT, the times of its tokens, and `cached_tokens`.
+
+    A pooled connection left idle while the other engine was measured can be closed by the server
+    (uvicorn's 5-s keep-alive) just as it is reused: that send is made once more on a new
+    connection, timed afresh. Any other client error is a StackError naming the engine."""
+    try:
+        try:
+            return await _stream(client, url, model, prompt, max_tokens)
+        except aiohttp.ServerDisconnectedError:
+            return await _stream(client, url, model, prompt, max_tokens)
+    except aiohttp.ClientError as exc:
+        raise StackError(f"{url}: {type(exc).__name__}: {exc} (is the engine still up? see its log)") from None
+
+
+async def _stream(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> Streamed:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
