@@ -25,7 +25,7 @@ from typing import cast
 from kvlab.engine.sim.dp import lockstep_group
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Request
-from kvlab.engine.sim.transfer import Pull, reserve
+from kvlab.engine.sim.transfer import Pull, offered, reserve
 from kvlab.gateway.endpoints import Registry
 from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Router
@@ -314,24 +314,17 @@ class Cluster:
     def _handoff(self, f: Flight) -> None:
         """A prefill call answered (its one token): the gateway releases its lease and makes the
         decode call, which offers the prefill replica's cached full prompt blocks (transfer.py
-        `handoff`) and reaches the decode replica one request hop later."""
+        `offered`, as the live `handoff`) and reaches the decode replica one request hop later."""
         now = self.now_ms
-        del self._flights[f.req.id]
-        b = f.replica.backend
-        b.inflight -= 1
-        b.inflight_tokens -= f.work
         self.book.first_token(f.prefill, now / 1000.0)   # the answer is the first token
-        if f.replica.group is not None:
-            f.replica.group.group.stats.pop(f.req.id, None)
-        pool = f.replica.pool
-        offered = len(pool.cached_prefix(f.req.keys[:f.req.num_prompt // pool.block_size]))
+        self._release(f)
         decode = f.decode
         assert decode is not None
         at = now + self.info.request_overhead_ms
         # the decode call's lease: the prompt beyond the decode replica's predicted prefix (exchange.py `work`)
         work = max(len(f.prompt.tokens) - (f.record.predicted_tokens or 0), 0)
         d = self._call(f.prompt, f.sent_ms, decode, work, f.record, f.user, at, f.prompt.max_tokens)
-        d.offered = offered
+        d.offered = len(offered(f.replica.pool, f.req))
         self._push(at, SUBMIT, d)
 
     # ---- the engines -----------------------------------------------------------------------
@@ -488,8 +481,8 @@ class Cluster:
         else:
             self._push(self.now_ms + info.kv_event_delay_ms, EVENTS, (name, events))
 
-    def _finish(self, f: Flight) -> None:
-        now = self.now_ms
+    def _release(self, f: Flight) -> None:
+        """The call is over for the gateway and its replica: the lease ends (upstream.py `Lease`)."""
         del self._flights[f.req.id]
         b = f.replica.backend
         b.inflight -= 1
@@ -497,6 +490,10 @@ class Cluster:
         self.book.finish(f.prefill)
         if f.replica.group is not None:   # what the live server's span takes of the group's stats
             f.replica.group.group.stats.pop(f.req.id, None)
+
+    def _finish(self, f: Flight) -> None:
+        now = self.now_ms
+        self._release(f)
         rec = f.record
         rec.e2e_ms = now - f.sent_ms
         self._end_ms = now

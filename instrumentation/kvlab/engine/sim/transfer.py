@@ -107,9 +107,7 @@ class KVTransfer:
 
     def handoff(self, req: Request) -> dict[str, Any]:
         """The params a prefill replica returns: its cached full blocks of the prompt."""
-        sched = self.r.engine.scheduler
-        full = req.num_prompt // sched.block_size
-        blocks = sched.pool.cached_prefix(req.keys[:full])
+        blocks = offered(self.r.engine.scheduler.pool, req)
         url = urlsplit(self.r.url or "")
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [b.id for b in blocks], "remote_engine_id": self.r.name,
@@ -168,6 +166,12 @@ class Pull:
     def release(self) -> None:
         """Drop the pull's references: its blocks stay cached for the request to hit."""
         self.pool.free(reversed(self.local + self.new))
+
+
+def offered(pool: BlockPool, req: Request) -> list[Block]:
+    """What a prefill replica hands over after computing a prompt: its cached full blocks of it
+    (`KVTransfer.handoff`; `kvlab twin` counts them the same way)."""
+    return pool.cached_prefix(req.keys[:req.num_prompt // pool.block_size])
 
 
 def reserve(pool: BlockPool, req: Request, offered: int) -> Pull:
