@@ -2,8 +2,8 @@
 table): quickstart, 4 replicas, the same workload, seed, users and duration through `kvlab compare`
 and through the twin; delivered hit rate (the twin sending as many requests as the live phase
 did) and TTFT (the same run time) within tolerance. The phases are 12 s (about 40-60
-requests a policy), where one request moves a hit rate by ~0.02: the test allows ±0.08 and the
-30-s table in docs/twin.md holds ±0.03."""
+requests a policy), where one request moves a hit rate by ~0.02: the test allows four requests'
+worth and the 30-s table in docs/twin.md holds ±0.03."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ from kvlab.twin.settings import TwinSettings
 
 POLICIES = ["round-robin", "kv-aware"]
 DURATION_S = 12
-HIT_RATE_TOLERANCE = 0.08     # ±0.03 at 30 s (docs/twin.md); at 12 s CI measured 0.048 and 0.057 (live round-robin's
-                              # order across concurrent users is timing's, the twin's is fixed: 2 requests' worth)
+# Which prompts meet their group on a replica follows the order concurrent users' requests arrive in:
+# the live order is timing's, the twin's fixed. The tolerance is this many requests' worth of the
+# live phase (±0.03 at 30 s in docs/twin.md; at 12 s CI measured 0.048 and 0.057 at ~50 requests, and
+# 0.088 for round-robin when a busy machine served only 33)
+HIT_RATE_TOLERANCE_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,9 @@ def both(tmp_path_factory):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_twin_delivers_the_live_hit_rate(both, policy):
     live, _, counted = both
-    assert abs(counted[policy].hit_rate.delivered - live[policy]["hit_rate"]["delivered"]) <= HIT_RATE_TOLERANCE, \
-        (policy, counted[policy].hit_rate, live[policy]["hit_rate"])
+    tolerance = HIT_RATE_TOLERANCE_REQUESTS / live[policy]["requests"]
+    assert abs(counted[policy].hit_rate.delivered - live[policy]["hit_rate"]["delivered"]) <= tolerance, \
+        (policy, counted[policy].hit_rate, live[policy]["hit_rate"], tolerance)
 
 
 @pytest.mark.processes
