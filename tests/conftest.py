@@ -78,8 +78,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 # to the workers first, so that no long module starts last (--no-loadscope-reorder keeps this order).
 LONGEST_FIRST = ("test_notebooks_experiments", "test_notebooks_topologies_a", "test_notebooks_topologies_b",
                  "test_lab", "test_notebooks", "test_faults", "test_observability_lab", "test_notebooks_kind",
-                 "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "test_outage_lab", "test_twin_fidelity",
-                 "test_hardening_network", "test_tokenization_vllm", "test_fuzz")
+                 "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "test_outage_lab",
+                 "test_tokenization_vllm", "test_fuzz")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -259,7 +259,7 @@ def _run_quick_lab(root: Path) -> QuickLab:
 @pytest.fixture(scope="session")
 def quick_lab(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> QuickLab:
     """One quick lab read by every module that checks such a run (test_lab, test_observability_lab,
-    test_genai_spans): under pytest-xdist the first worker to ask runs it, holding a file lock in
+    test_genai_spans, test_twin_fidelity): under pytest-xdist the first worker to ask runs it, holding a file lock in
     the session's shared temp dir, and the others wait and read its result (one ~100-s run, not three)."""
     from filelock import FileLock
 

@@ -1,8 +1,10 @@
-"""Shared by the hardening, fuzz and fault tests: a simulator + gateway as subprocesses, and a raw
-HTTP client that sends exactly the bytes it is given (no client-side validation)."""
+"""Shared by the hardening, fuzz and fault tests: a simulator + gateway as subprocesses, a raw
+HTTP client that sends exactly the bytes it is given (no client-side validation), and the sockets
+a process tree listens on beyond loopback."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import subprocess
@@ -11,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from kvlab.contract import Endpoint
 from kvlab.scenarios import faults
@@ -90,3 +94,24 @@ def sim_and_gateway(*sim_flags: str, config: dict | None = None) -> Iterator[Sta
     with tempfile.TemporaryDirectory() as d, faults.sim(Path(d), "sim", *sim_flags) as (sim, replicas), \
             faults.gateway(Path(d), replicas, config) as (gw, url):
         yield Stack(sim.proc, replicas, gw.proc, int(url.rsplit(":", 1)[1]))
+
+
+def exposed_sockets(pids: dict[str, int]) -> list[str]:
+    """'name pid process addr:port' for every listening TCP or bound UDP socket, not on loopback, of
+    these processes and their children (vLLM's engine core); `pids` maps a name to a root pid."""
+    out = []
+    for name, pid in pids.items():
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                conns = p.net_connections(kind="inet")
+            except psutil.NoSuchProcess:
+                continue
+            for c in conns:
+                listening = c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and c.laddr)
+                if listening and not ipaddress.ip_address(c.laddr.ip).is_loopback:
+                    out.append(f"{name} {p.pid} {p.name()} {c.laddr.ip}:{c.laddr.port}")
+    return out

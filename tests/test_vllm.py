@@ -1,5 +1,5 @@
 """Real vLLM (CPU build) against kvlab: KV events, index parity, kv-aware routing and traces,
-chunked decoding, and a replica killed mid-stream.
+chunked decoding, sockets on loopback only and a dropped client, and a replica killed mid-stream.
 
 One module-scoped stack (2 vLLM replicas of the tiny model from `kvlab engine vllm`, a local
 OTLP sink, and gateways with the policies the tests need) serves every test here: vLLM takes a
@@ -25,10 +25,12 @@ import pytest
 import zmq.asyncio
 
 from conftest import free_port, require
+from edge import exposed_sockets
 from kvlab.kvcache.events import AllBlocksCleared, BlockStored
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import PreciseIndex
 from kvlab.kvcache.transport import EventSubscriber
+from kvlab.scenarios.faults import drop_client, scrape
 from kvlab.telemetry import names
 from kvlab.tokenizer import Tokenizer, words
 
@@ -334,6 +336,37 @@ def test_chunked_chat_on_vllm_has_the_right_token_counts(stack):
     assert data[-1]["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     metrics = httpx.get(gateway + "/metrics", timeout=10).text
     assert 'kvlab_gateway_chunks_total{priority="normal"} 6.0' in metrics   # 16 + 16 + 8, twice
+
+
+def test_nothing_listens_beyond_loopback_and_a_dropped_client_stops_vllm(stack, gateway):
+    """Every TCP/UDP socket of `kvlab engine vllm` (API servers and engine cores; the local stack
+    starts the same command), the gateway and the sink is on loopback; KV events (prompt token ids)
+    go over a Unix socket. A client that drops a long generation through the gateway, mid-stream or
+    before the first byte, leaves vLLM's `num_requests_running` at 0 within 1 s."""
+    assert exposed_sockets({" ".join(map(str, p.args[2:5])): p.pid for p in stack["procs"]}) == []
+    assert all(r["kv_events"].startswith("ipc://") for r in stack["replicas"])
+    urls = [r["url"] for r in stack["replicas"]]
+
+    def running() -> float:
+        return sum(scrape(u, "vllm:num_requests_running") for u in urls)
+
+    def engine_running() -> None:
+        deadline = time.monotonic() + 30
+        while running() < 1:
+            assert time.monotonic() < deadline, "vLLM never started the request"
+            time.sleep(0.05)
+
+    for read_bytes in (600, 0):   # mid-stream, and before the first byte (a unary request)
+        drop_client(gateway, {"model": MODEL, "prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
+                              "stream": bool(read_bytes)}, read_bytes, engine_running)
+        t0 = time.monotonic()
+        while running() > 0:
+            assert time.monotonic() - t0 < 1.0, "vLLM kept generating for a dropped client"
+            time.sleep(0.02)
+        print(f"\nvLLM stopped {'mid-stream' if read_bytes else 'before-first-byte'} request "
+              f"{time.monotonic() - t0:.3f} s after the client dropped")
+        loads = [r["load"] for r in httpx.get(gateway + "/debug/endpoints", timeout=5).json()["replicas"]]
+        assert all(x["inflight"] == 0 and x["inflight_tokens"] == 0 for x in loads), loads
 
 
 def test_a_replica_killed_mid_stream_loses_no_request(stack):
