@@ -244,3 +244,70 @@ def test_the_ranks_of_a_dp_replica_step_in_lockstep_and_dp_aware_routing_pays():
     hit = {p: sum(r.cached_tokens or 0 for r in o.records) / sum(r.prompt_tokens or 0 for r in o.records)
            for p, o in out.items()}
     assert hit["dp-aware"] > hit["rank-blind"] + 0.1
+
+
+# chunked decoding: 40-token answers in 16-token chunks (kv-aware-chunked-16: 4 slots a replica, 1 reserved)
+CHUNKED = msgspec.structs.replace(SMALL, requests=48, workload_params={**SMALL.workload_params, "output_tokens": 40})
+
+
+def _chunked(monkeypatch, policy: str, **over: object) -> tuple[Cluster, list[tuple[int, int, int]], list[int]]:
+    """A run with (tokens generated before, prompt tokens, cached tokens) of every engine call as it
+    ended, and the requests each replica held after each call reached it."""
+    calls: list[tuple[int, int, int]] = []
+    held: list[int] = []
+    finish, submit = Cluster._finish, Cluster._submit
+
+    def on_finish(self, f):
+        calls.append((f.done, len(f.req.prompt), f.req.num_cached or 0))
+        finish(self, f)
+
+    def on_submit(self, f):
+        submit(self, f)
+        held.append(len(f.replica.sched.running) + len(f.replica.sched.waiting))
+
+    monkeypatch.setattr(Cluster, "_finish", on_finish)
+    monkeypatch.setattr(Cluster, "_submit", on_submit)
+    cluster = Cluster(resolve(msgspec.structs.replace(CHUNKED, policy=policy, **over)), keep_keys=False)
+    cluster.run()
+    monkeypatch.undo()
+    return cluster, calls, held
+
+
+def test_chunked_decoding_resumes_each_answer_chunk_by_chunk_from_the_prefix_cache(monkeypatch):
+    cluster, calls, _ = _chunked(monkeypatch, "kv-aware-chunked-16")
+    records = cluster._records
+    assert len(records) == 48 and all(r.output_tokens == 40 for r in records)
+    assert sorted({done for done, _, _ in calls}) == [0, 16, 32] and len(calls) == 3 * 48
+    bs = cluster.plan.sim.block_size
+    for done, prompt, cached in calls:
+        if done:   # a resumed chunk recomputes at most its last block (splice.py's "resume hit")
+            assert prompt - cached <= bs, (done, prompt, cached)
+    # the answer reports the first chunk's cached tokens, as the live gateway's usage does
+    first = sorted(cached for done, _, cached in calls if not done)
+    assert sorted(r.cached_tokens for r in records) == first
+    # one user alone on one replica, 200-ms request hops: each of the two resumptions is one more
+    # hop (its resume step, a few tokens of prefill, costs about what the decode step it replaces does)
+    alone = {"users": 1, "replicas": 1, "num_blocks": 400, "information": Information(request_overhead_ms=200.0)}
+    chunked, _, _ = _chunked(monkeypatch, "kv-aware-chunked-16", **alone)
+    plain, _, _ = _chunked(monkeypatch, "kv-aware", **alone)
+    for c, p in zip(chunked._records, plain._records):
+        assert (c.replica, round(c.ttft_ms or 0, 6), c.cached_tokens) == (p.replica, round(p.ttft_ms or 0, 6), p.cached_tokens)
+        assert 2 * 200 - 30 < c.e2e_ms - p.e2e_ms < 2 * 200 + 30, (c.e2e_ms, p.e2e_ms)
+
+
+def test_chunk_slots_bound_what_a_replica_runs_and_requests_queue_for_them(monkeypatch):
+    # one replica, 8 users: unchunked it holds all 8; chunked, 3 (4 slots, 1 kept for the high class)
+    one = {"replicas": 1, "num_blocks": 400}
+    chunked, _, held = _chunked(monkeypatch, "kv-aware-chunked-16", **one)
+    plain, _, held_plain = _chunked(monkeypatch, "kv-aware", **one)
+    assert max(held) == 3 and max(held_plain) == 8
+    ttft = sorted(r.ttft_ms or 0 for r in chunked._records)
+    assert ttft[len(ttft) // 2] > sorted(r.ttft_ms or 0 for r in plain._records)[len(ttft) // 2]
+
+
+def test_chunked_decoding_the_decode_fast_forward_changes_no_figure(monkeypatch):
+    fast = _chunked(monkeypatch, "kv-aware-chunked-16")[0]._records
+    monkeypatch.setattr(Cluster, "_cruise", lambda self, replica: False)
+    slow = _chunked(monkeypatch, "kv-aware-chunked-16")[0]._records
+    assert [(r.replica, r.cached_tokens, r.output_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in slow] \
+        == [(r.replica, r.cached_tokens, r.output_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in fast]

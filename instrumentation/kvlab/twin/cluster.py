@@ -11,6 +11,11 @@ request: a split one is first a one-token request on the chosen prefill replica,
 request hop after its answer, a request on the decode replica that pulls the prompt's KV
 (`engine/sim/transfer.py` `reserve`, `transfer_ms` later `land`) before it is queued. The ranks of
 a data-parallel replica step together (`replica.Lockstep`, the simulator's `LockstepGroup`).
+
+With chunked decoding (the policy's `chunked:`), a request generates in chunks as the live
+gateway's `gateway/chunked/splice.py` does: each chunk waits for a slot in its replica's
+`SlotQueue` (the live queue, on the virtual clock), then is a call to that replica with the prompt
+and the tokens generated so far, one request hop after the grant; the gateway's lease spans them all.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvlab.engine.sim.dp import lockstep_group
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pull, offered, reserve
+from kvlab.gateway.chunked.slots import SlotQueue, class_rank
 from kvlab.gateway.endpoints import Registry
 from kvlab.gateway.prefill import Prefill, PrefillBook
 from kvlab.gateway.router import Router
@@ -61,6 +67,10 @@ class Flight:
     gap_max: float = 0.0
     decode: Replica | None = None  # a P/D prefill leg: the decode replica its answer goes on to
     offered: int = 0               # a P/D decode leg: prompt blocks the prefill replica offers to pull
+    chunk: int = 0                 # chunked decoding: tokens per chunk (0: one call for the whole answer)
+    done: int = 0                  # tokens the earlier chunks generated
+    total: int = 0                 # the request's max_tokens
+    out: list[int] | None = None   # the whole answer's tokens (a chunk's call generates a slice)
 
 
 @dataclass(slots=True)
@@ -104,6 +114,9 @@ class Cluster:
         # the prefill pool when the policy splits (a twin replica never fails: it is fixed)
         self.prefills = prefill_replicas(self.registry) if cfg.pd.enabled else None
         self.book = PrefillBook()
+        self.chunking = cfg.chunked if cfg.chunked.chunk_tokens > 0 else None
+        self._slots: dict[str, SlotQueue] = {}
+        self._rank = class_rank(cfg.chunked.default_priority)   # no priority header in the twin's requests
         self._heap: list[tuple[float, int, int, object]] = []     # engine-side events
         self._intake: list[tuple[float, int, int, object]] = []   # sends and submits
         self._seq = 0
@@ -261,16 +274,20 @@ class Cluster:
             flight.decode = replica
         else:
             flight = self._call(prompt, now, replica, max(len(tokens) - d.chosen.prefix_tokens, 0), record, user,
-                                now + delay, prompt.max_tokens)
+                                now + delay, prompt.max_tokens, self.chunking.chunk_tokens if self.chunking else 0)
         if rest:   # an open-loop session's later requests follow this one (closed loop inside it)
             self._user_session[-self._ids] = rest
             flight.user = -self._ids
-        self._push(now + delay, SUBMIT, flight)
+        if flight.chunk:
+            self._acquire(flight, delay)
+        else:
+            self._push(now + delay, SUBMIT, flight)
 
     def _call(self, prompt: Prompt, sent_ms: float, replica: Replica, work: int, record: Record, user: int | None,
-              at_ms: float, max_tokens: int) -> Flight:
+              at_ms: float, max_tokens: int, chunk: int = 0) -> Flight:
         """A call to `replica` reaching it at `at_ms`, with the gateway's lease on it (upstream.py
-        `Lease`: in flight, routed, its uncached tokens as pending prefill work)."""
+        `Lease`: in flight, routed, its uncached tokens as pending prefill work); with `chunk`, the
+        call generates the first chunk of the answer."""
         backend = replica.backend
         backend.inflight += 1
         backend.routed += 1
@@ -281,10 +298,38 @@ class Cluster:
         rid = f"t{self._ids}"
         tokens = prompt.tokens
         out = self.sampler.draw(tokens, max_tokens) if self.sampler is not None else [_OUTPUT_TOKEN] * max_tokens
-        flight = Flight(prompt, sent_ms, replica, Request(rid, tokens, out, replica.sched.prompt_keys(tokens)),
-                        prefill, work, record, user)
+        flight = Flight(prompt, sent_ms, replica,
+                        Request(rid, tokens, out[:chunk] if chunk else out, replica.sched.prompt_keys(tokens)),
+                        prefill, work, record, user, chunk=chunk, total=max_tokens, out=out)
         self._flights[rid] = flight
         return flight
+
+    def _acquire(self, f: Flight, delay_ms: float) -> None:
+        """A chunk waits for a slot in its replica's queue; its call reaches the replica `delay_ms`
+        after the grant (splice.py: `acquire`, then the upstream call)."""
+        q = self._slots.get(f.replica.name)
+        if q is None:
+            c = self.chunking
+            assert c is not None
+            q = self._slots[f.replica.name] = SlotQueue(c.slots_per_replica, c.reserved_slots, c.aging_s,
+                                                         clock=lambda: self.now_ms / 1000.0)
+        q.enqueue(self._rank, "default", lambda: self._push(self.now_ms + delay_ms, SUBMIT, f))
+        q.pump()
+
+    def _next_chunk(self, f: Flight, done: int) -> None:
+        """A chunk ended short of the answer: the next one resumes on the same replica with the
+        prompt and the tokens so far (its prefix cache holds them), once it has a slot again."""
+        del self._flights[f.req.id]      # this call is over; the gateway's lease goes on
+        assert f.out is not None
+        tokens = f.prompt.tokens + f.out[:done]
+        self._ids += 1
+        rid = f"t{self._ids}"
+        replica = f.replica
+        req = Request(rid, tokens, f.out[done:done + min(f.chunk, f.total - done)], replica.sched.prompt_keys(tokens))
+        nxt = Flight(f.prompt, f.sent_ms, replica, req, f.prefill, f.work, f.record, f.user, f.last_ms, f.gap_sum,
+                     f.gap_n, f.gap_max, chunk=f.chunk, done=done, total=f.total, out=f.out)
+        self._flights[rid] = nxt
+        self._acquire(nxt, self.info.request_overhead_ms)
 
     def _settle_all(self) -> None:
         for r in list(self._cruising):
@@ -443,7 +488,7 @@ class Cluster:
         flights = self._flights
         for req in replica.sched.complete(batch):
             f = flights[req.id]
-            if req.num_output == 1:
+            if req.num_output == 1 and not f.done:
                 if f.decode is not None:   # a P/D prefill call's answer
                     self._handoff(f)
                     continue
@@ -493,12 +538,21 @@ class Cluster:
 
     def _finish(self, f: Flight) -> None:
         now = self.now_ms
+        if f.chunk:
+            self._slots[f.replica.name].release()
+            if not f.done:        # the answer's usage: the first chunk's cached tokens (splice.py)
+                f.record.cached_tokens = f.req.num_cached or 0
+            done = f.done + f.req.num_output
+            if done < f.total and f.req.num_output:
+                self._next_chunk(f, done)
+                return
         self._release(f)
         rec = f.record
         rec.e2e_ms = now - f.sent_ms
         self._end_ms = now
-        rec.output_tokens = f.req.num_output
-        rec.cached_tokens = f.req.num_cached or 0
+        rec.output_tokens = f.done + f.req.num_output
+        if not f.chunk:
+            rec.cached_tokens = f.req.num_cached or 0
         if f.gap_n:
             rec.itl_ms = f.gap_sum / f.gap_n
             rec.itl_max_ms = f.gap_max

@@ -5,7 +5,8 @@ the order of the queue is the scheduling policy: the best class first (a waiting
 improves by one per `aging_s` waited, so nothing starves), within a class the tenant that got
 the fewest slots (virtual time, as in fair queueing), then arrival. The last `reserved_slots`
 slots are kept for the best class, so an interactive request finds one free while long
-low-priority generations hold the rest.
+low-priority generations hold the rest. The queue itself only calls a ticket's `on_grant`: the
+gateway awaits a future (`acquire`), the cluster twin schedules the chunk's call in virtual time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 CLASSES = ("high", "normal", "low")     # rank 0 is served first
 
@@ -39,7 +40,8 @@ class Ticket:
     tenant: str
     seq: int
     since: float
-    granted: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    on_grant: Callable[[], None]
+    granted: bool = False
     passed_by_better: bool = False        # a better-class chunk was granted while this one waited
 
 
@@ -68,12 +70,12 @@ class SlotQueue:
     def _key(self, t: Ticket, now: float) -> tuple[int, float, int]:
         return (self.effective_rank(t, now), self._vtime.get(t.tenant, 0.0), t.seq)
 
-    def _grant(self, t: Ticket, reason: str) -> None:
+    def _grant(self, t: Ticket) -> None:
         self.busy += 1
         floor = min(self._vtime.values(), default=0.0)
         self._vtime[t.tenant] = max(self._vtime.get(t.tenant, floor), floor) + 1.0
-        if not t.granted.done():
-            t.granted.set_result(reason)
+        t.granted = True
+        t.on_grant()
 
     def pump(self) -> None:
         """Grant free slots to the best admissible waiters."""
@@ -87,25 +89,32 @@ class SlotQueue:
             for other in self.waiting:
                 if self.effective_rank(other, now) > rank:
                     other.passed_by_better = True
-            self._grant(best, "")
+            self._grant(best)
 
-    def enqueue(self, rank: int, tenant: str) -> Ticket:
-        t = Ticket(rank, tenant, next(self._seq), self.clock())
+    def enqueue(self, rank: int, tenant: str, on_grant: Callable[[], None]) -> Ticket:
+        """Queue a chunk (`pump` grants it a slot, maybe at once); `on_grant` is called with it."""
+        t = Ticket(rank, tenant, next(self._seq), self.clock(), on_grant)
         self.waiting.append(t)
         return t
 
     async def acquire(self, rank: int, tenant: str) -> tuple[float, str]:
         """Wait for a slot; returns (seconds waited, hold reason: none | slots-busy | yield-to-higher | reserved)."""
-        t = self.enqueue(rank, tenant)
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not granted.done():     # not cancelled: the client still waits
+                granted.set_result(None)
+
+        t = self.enqueue(rank, tenant, wake)
         self.pump()
-        held = not t.granted.done()
+        held = not t.granted
         reserved = held and self.busy < self.slots
         try:
-            await t.granted
+            await granted
         except asyncio.CancelledError:
             if t in self.waiting:
                 self.waiting.remove(t)
-            elif t.granted.done() and not t.granted.cancelled():
+            elif t.granted:
                 self.release()      # granted, but the client went away before using it
             raise
         waited = self.clock() - t.since
