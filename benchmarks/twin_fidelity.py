@@ -13,6 +13,13 @@ TTFT is the twin's over the same run time. `--profile` runs the twin on a copy o
 `sim.profile` is that profile, keeping the topology's engine sizes (as the live engine has them).
 A ✓ marks a row within the goals: hit rate ±0.03, TTFT within ±20 % (simulator) or p50 within
 ±30 % (vLLM).
+
+`--measured-overhead` adds a twin run per router whose `request_overhead_ms` is the live run's own
+time outside its engines, from the run's traces (kvlab/traces/overhead.py): per request, the
+client's TTFT minus the engine's (its engine.queue span's start to its engine.prefill span's end),
+the median over the router's phase. That is everything the twin does not model before a first
+token (Locust, the gateway, the HTTP hops, the replica's request handling, the way back), measured
+apart from the queueing and prefill the twin does model.
 """
 
 from __future__ import annotations
@@ -24,11 +31,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import yaml
 
 from kvlab.topology import builtin
+from kvlab.traces.overhead import median_by_policy
+from kvlab.traces.run import load_requests
+from kvlab.traces.sources import open_source
 from kvlab.twin.runner import plans, run
-from kvlab.twin.settings import TwinSettings
+from kvlab.twin.settings import Information, TwinSettings
 
 
 def live_run(a: argparse.Namespace, run_dir: Path) -> dict[str, dict]:
@@ -43,6 +54,13 @@ def live_run(a: argparse.Namespace, run_dir: Path) -> dict[str, dict]:
     subprocess.run(cmd, check=True)
     doc = json.loads((run_dir / "compare.json").read_text())
     return {r["router"]: r for w in doc["workloads"].values() for r in w["routers"]}
+
+
+def live_overhead_ms(run_dir: Path) -> dict[str, float]:
+    """Per router, the median time its live requests spent outside the engines before their first
+    token (kvlab/traces/overhead.py), from the run's traces and requests."""
+    traces = {t.trace_id: t for t in open_source(run_dir).traces()}
+    return median_by_policy(load_requests(run_dir), traces)
 
 
 def twin_topology(a: argparse.Namespace, out: Path) -> str:
@@ -68,11 +86,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", help="where the live run goes (default: a temporary directory)")
     p.add_argument("--live", help="the compare.json of a live run made before with these settings: run no other")
+    p.add_argument("--measured-overhead", action="store_true",
+                   help="also run the twin with the live run's own time outside its engines (from its traces)")
     a = p.parse_args()
     a.topology = a.topology or ("vllm" if a.engine == "vllm" else "quickstart")
     vllm = a.engine == "vllm"
     with tempfile.TemporaryDirectory() as tmp:
-        live = live_run(a, Path(a.run_dir or Path(tmp) / "live"))
+        run_dir = Path(a.live).parent if a.live else Path(a.run_dir or Path(tmp) / "live")
+        live = live_run(a, run_dir)
         routers = a.routers.split(",")
         base = TwinSettings(topology=twin_topology(a, Path(tmp)), users=a.users, duration_s=a.duration,
                             requests=100_000, seed=a.seed)
@@ -82,6 +103,12 @@ def main() -> None:
             [plan] = plans(TwinSettings(topology=base.topology, users=a.users, requests=live[r]["requests"],
                                         seed=a.seed), [r])
             counted[r] = run(plan, oracle=False).summary
+        overhead = live_overhead_ms(run_dir) if a.measured_overhead else {}
+        measured = {}
+        for r, ms in overhead.items():
+            settings = msgspec.structs.replace(base, information=Information(request_overhead_ms=max(ms, 0.0)))
+            [plan] = plans(settings, [r])
+            measured[r] = run(plan, oracle=False).summary
     print(f"\n{a.topology}, {a.engine or 'topology'} engine, {a.users} users, {a.duration:g} s, seed {a.seed}"
           f"{', twin profile ' + a.profile if a.profile else ''}")
     print(f"{'router':24} {'requests live/twin':>19} {'hit rate live/twin':>19} {'TTFT p50 live/twin ms':>26} "
@@ -95,6 +122,15 @@ def main() -> None:
         print(f"{r:24} {lv['requests']:>9} / {tw.requests:<7} {lv['hit_rate']:>9.3f} / {hit:<7.3f} "
               f"{lv['ttft_p50_ms']:>9.0f} / {tw.ttft_ms.p50:<6.0f} ({p50:.2f}) "
               f"{lv['ttft_p95_ms']:>9.0f} / {tw.ttft_ms.p95:<6.0f} ({p95:.2f})  {'✓' if ok else '✗'}")
+    if measured:
+        print("\nthe twin with the live run's time outside its engines as --request-overhead-ms")
+        print(f"{'router':24} {'overhead ms':>12} {'TTFT p50 live/twin ms':>26} {'TTFT p95 live/twin ms':>26}")
+        for r, tw in measured.items():
+            lv = live[r]
+            p50, p95 = tw.ttft_ms.p50 / lv["ttft_p50_ms"], tw.ttft_ms.p95 / lv["ttft_p95_ms"]
+            ok = abs(p50 - 1) <= 0.3 if vllm else abs(p50 - 1) <= 0.2 and abs(p95 - 1) <= 0.2
+            print(f"{r:24} {overhead[r]:>12.1f} {lv['ttft_p50_ms']:>9.0f} / {tw.ttft_ms.p50:<6.0f} ({p50:.2f}) "
+                  f"{lv['ttft_p95_ms']:>9.0f} / {tw.ttft_ms.p95:<6.0f} ({p95:.2f})  {'✓' if ok else '✗'}")
 
 
 if __name__ == "__main__":

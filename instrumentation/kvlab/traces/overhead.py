@@ -1,0 +1,39 @@
+"""The live stack's time outside its engines before a first token: per request, the client's TTFT
+minus the engine's own (its engine.queue span's start to its engine.prefill span's end).
+
+That is what a model of the engines leaves out: Locust, the gateway, the HTTP hops, the replica's
+request handling and the first token's way back. The cluster twin's `--request-overhead-ms` is this
+time (docs/twin.md, "Validation"); on a loaded 2-core machine it is tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from kvlab.load.measure import Record
+from kvlab.telemetry import names
+from kvlab.traces.span import Trace
+
+
+def outside_engine_ms(records: Iterable[Record], traces: Mapping[str, Trace]) -> list[float]:
+    """Each request's client TTFT minus its engine's, for the records whose trace has one engine
+    queue and one prefill span (an unsampled, failed or P/D request is left out)."""
+    out = []
+    for rec in records:
+        trace = traces.get(rec.trace_id or "")
+        if rec.error or rec.ttft_ms is None or trace is None:
+            continue
+        queue, prefill = trace.find(names.SPAN_ENGINE_QUEUE), trace.find(names.SPAN_ENGINE_PREFILL)
+        if len(queue) == 1 and len(prefill) == 1:
+            out.append(rec.ttft_ms - (prefill[0].end_ns - queue[0].start_ns) / 1e6)
+    return out
+
+
+def median_by_policy(records: Iterable[Record], traces: Mapping[str, Trace]) -> dict[str, float]:
+    """The median time outside the engines of each policy's requests."""
+    by: dict[str, list[Record]] = {}
+    for rec in records:
+        by.setdefault(rec.policy, []).append(rec)
+    return {policy: float(np.median(ms)) for policy, recs in by.items() if (ms := outside_engine_ms(recs, traces))}

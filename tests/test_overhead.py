@@ -1,0 +1,42 @@
+"""kvlab.traces.overhead: a request's time outside its engines is its client TTFT minus its
+engine's own (engine.queue start to engine.prefill end); a request without exactly one of each
+(unsampled, failed, a P/D request's two engines) is left out."""
+
+from __future__ import annotations
+
+from kvlab.load.measure import Record
+from kvlab.telemetry import names
+from kvlab.traces.overhead import median_by_policy, outside_engine_ms
+from kvlab.traces.span import Span, Trace
+
+MS = 1_000_000
+
+
+def _trace(tid: str, engines: list[tuple[float, float]]) -> Trace:
+    """A trace with one engine queue + prefill span pair per (queue start, prefill end) in ms."""
+    spans = []
+    for i, (queued, first) in enumerate(engines):
+        spans += [Span(tid, f"{2 * i:016x}", None, names.SPAN_ENGINE_QUEUE, "kvlab-sim", "internal",
+                       int(queued * MS), int((queued + 1) * MS)),
+                  Span(tid, f"{2 * i + 1:016x}", None, names.SPAN_ENGINE_PREFILL, "kvlab-sim", "internal",
+                       int((queued + 1) * MS), int(first * MS))]
+    return Trace(tid, spans)
+
+
+def _rec(tid: str, ttft: float | None, policy: str = "kv-aware", error: str | None = None) -> Record:
+    return Record(ts=0.0, policy=policy, ttft_ms=ttft, trace_id=tid, error=error)
+
+
+def test_the_time_outside_the_engines_is_client_ttft_minus_the_engines_own():
+    traces = {"a": _trace("a", [(1000, 1070)]), "b": _trace("b", [(50, 450)]),
+              "pd": _trace("pd", [(0, 300), (310, 320)])}
+    records = [_rec("a", 100), _rec("b", 430), _rec("pd", 400), _rec("gone", 90), _rec("a", None),
+               _rec("b", 500, error="HTTP 503")]
+    assert outside_engine_ms(records, traces) == [30.0, 30.0]
+
+
+def test_the_median_is_per_policy():
+    traces = {t: _trace(t, [(0, 100)]) for t in "abc"}
+    records = [_rec("a", 110, "round-robin"), _rec("b", 150, "round-robin"), _rec("c", 400, "round-robin"),
+               _rec("a", 125), _rec("zz", 999, "prefix")]
+    assert median_by_policy(records, traces) == {"round-robin": 50.0, "kv-aware": 25.0}
