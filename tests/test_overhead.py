@@ -1,8 +1,11 @@
 """kvlab.traces.overhead: a request's time outside its engines is its client TTFT minus its
-engine's own (engine.queue start to engine.prefill end); a request without exactly one of each
-(unsampled, failed, a P/D request's two engines) is left out."""
+engine's own (the simulator's engine.queue start to engine.prefill end, or vLLM's llm_request
+span's time_to_first_token); a request without exactly one engine request (unsampled, failed, a
+P/D request's two engines) is left out."""
 
 from __future__ import annotations
+
+import pytest
 
 from kvlab.load.measure import Record
 from kvlab.telemetry import names
@@ -40,3 +43,9 @@ def test_the_median_is_per_policy():
     records = [_rec("a", 110, "round-robin"), _rec("b", 150, "round-robin"), _rec("c", 400, "round-robin"),
                _rec("a", 125), _rec("zz", 999, "prefix")]
     assert median_by_policy(records, traces) == {"round-robin": 50.0, "kv-aware": 25.0}
+
+
+def test_real_vllm_engines_count_with_their_own_llm_request_span():
+    engine = Span("v", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
+                  attributes={names.VLLM_LATENCY_TTFT: 0.120})
+    assert outside_engine_ms([_rec("v", 145.0)], {"v": Trace("v", [engine])}) == [pytest.approx(25.0)]

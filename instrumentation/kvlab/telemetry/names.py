@@ -203,6 +203,10 @@ VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"   # counter; exposed wit
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"         # counter; exposed with _total
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
+# vLLM's own span of a request (--otlp-traces-endpoint, --collect-detailed-traces) and its TTFT,
+# counted from the API server's receipt (docs/vllm.md, "Tracing")
+VLLM_SPAN_REQUEST = "llm_request"
+VLLM_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"     # seconds
 VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 VLLM_QUEUE_TIME = "vllm:request_queue_time_seconds"

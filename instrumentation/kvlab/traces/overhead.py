@@ -1,5 +1,7 @@
 """The live stack's time outside its engines before a first token: per request, the client's TTFT
-minus the engine's own (its engine.queue span's start to its engine.prefill span's end).
+minus the engine's own: the simulator's engine.queue span's start to its engine.prefill span's
+end, or real vLLM's `llm_request` span's `gen_ai.latency.time_to_first_token` (from its API
+server's receipt).
 
 That is what a model of the engines leaves out: Locust, the gateway, the HTTP hops, the replica's
 request handling and the first token's way back. The cluster twin's `--request-overhead-ms` is this
@@ -17,17 +19,29 @@ from kvlab.telemetry import names
 from kvlab.traces.span import Trace
 
 
+def engine_ttft_ms(trace: Trace) -> float | None:
+    """The TTFT the one engine of this trace measured itself; None without exactly one engine
+    request in it (unsampled, or a P/D request's two)."""
+    queue, prefill = trace.find(names.SPAN_ENGINE_QUEUE), trace.find(names.SPAN_ENGINE_PREFILL)
+    if len(queue) == 1 and len(prefill) == 1:
+        return (prefill[0].end_ns - queue[0].start_ns) / 1e6
+    vllm = [s.attr(names.VLLM_LATENCY_TTFT) for s in trace.spans if s.name == names.VLLM_SPAN_REQUEST]
+    if len(vllm) == 1 and isinstance(vllm[0], (int, float)):
+        return float(vllm[0]) * 1000.0
+    return None
+
+
 def outside_engine_ms(records: Iterable[Record], traces: Mapping[str, Trace]) -> list[float]:
     """Each request's client TTFT minus its engine's, for the records whose trace has one engine
-    queue and one prefill span (an unsampled, failed or P/D request is left out)."""
+    request (an unsampled, failed or P/D request is left out)."""
     out = []
     for rec in records:
         trace = traces.get(rec.trace_id or "")
         if rec.error or rec.ttft_ms is None or trace is None:
             continue
-        queue, prefill = trace.find(names.SPAN_ENGINE_QUEUE), trace.find(names.SPAN_ENGINE_PREFILL)
-        if len(queue) == 1 and len(prefill) == 1:
-            out.append(rec.ttft_ms - (prefill[0].end_ns - queue[0].start_ns) / 1e6)
+        engine = engine_ttft_ms(trace)
+        if engine is not None:
+            out.append(rec.ttft_ms - engine)
     return out
 
 
