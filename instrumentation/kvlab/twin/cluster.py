@@ -320,6 +320,8 @@ class Cluster:
         """A chunk ended short of the answer: the next one resumes on the same replica with the
         prompt and the tokens so far (its prefix cache holds them), once it has a slot again."""
         del self._flights[f.req.id]      # this call is over; the gateway's lease goes on
+        if f.replica.group is not None:
+            f.replica.group.group.stats.pop(f.req.id, None)
         assert f.out is not None
         tokens = f.prompt.tokens + f.out[:done]
         self._ids += 1
