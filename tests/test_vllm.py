@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BS = 128                       # vLLM's block size on CPU (the launcher's default)
 MODEL = "kvlab-tiny"
 START_TIMEOUT_S = 540
+STOP_S = 3.0                   # a dropped client's request stops within this (a loaded 2-core machine)
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -342,26 +343,28 @@ def test_nothing_listens_beyond_loopback_and_a_dropped_client_stops_vllm(stack, 
     """Every TCP/UDP socket of `kvlab engine vllm` (API servers and engine cores; the local stack
     starts the same command), the gateway and the sink is on loopback; KV events (prompt token ids)
     go over a Unix socket. A client that drops a long generation through the gateway, mid-stream or
-    before the first byte, leaves vLLM's `num_requests_running` at 0 within 1 s."""
+    before the first byte, leaves vLLM's `num_requests_running` at 0 within STOP_S."""
     assert exposed_sockets({" ".join(map(str, p.args[2:5])): p.pid for p in stack["procs"]}) == []
     assert all(r["kv_events"].startswith("ipc://") for r in stack["replicas"])
     urls = [r["url"] for r in stack["replicas"]]
-
-    def running() -> float:
-        return sum(scrape(u, "vllm:num_requests_running") for u in urls)
+    busy: list[str] = []       # the replica the gateway sent the request to
 
     def engine_running() -> None:
         deadline = time.monotonic() + 30
-        while running() < 1:
+        while not busy:
+            busy.extend(u for u in urls if scrape(u, "vllm:num_requests_running") >= 1)
             assert time.monotonic() < deadline, "vLLM never started the request"
             time.sleep(0.05)
 
     for read_bytes in (600, 0):   # mid-stream, and before the first byte (a unary request)
+        busy.clear()
         drop_client(gateway, {"model": MODEL, "prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
                               "stream": bool(read_bytes)}, read_bytes, engine_running)
         t0 = time.monotonic()
-        while running() > 0:
-            assert time.monotonic() - t0 < 1.0, "vLLM kept generating for a dropped client"
+        while scrape(busy[0], "vllm:num_requests_running") > 0:
+            # 0.09 s on a quiet machine; 1.09 s once in CI beside three workers. Generating on, the
+            # 1,500 tokens would take a minute or more
+            assert time.monotonic() - t0 < STOP_S, "vLLM kept generating for a dropped client"
             time.sleep(0.02)
         print(f"\nvLLM stopped {'mid-stream' if read_bytes else 'before-first-byte'} request "
               f"{time.monotonic() - t0:.3f} s after the client dropped")
