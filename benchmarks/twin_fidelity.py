@@ -35,9 +35,7 @@ import msgspec
 import yaml
 
 from kvlab.topology import builtin
-from kvlab.traces.overhead import median_by_policy
-from kvlab.traces.run import load_requests
-from kvlab.traces.sources import open_source
+from kvlab.traces.overhead import of_run
 from kvlab.twin.runner import plans, run
 from kvlab.twin.settings import Information, TwinSettings
 
@@ -54,13 +52,6 @@ def live_run(a: argparse.Namespace, run_dir: Path) -> dict[str, dict]:
     subprocess.run(cmd, check=True)
     doc = json.loads((run_dir / "compare.json").read_text())
     return {r["router"]: r for w in doc["workloads"].values() for r in w["routers"]}
-
-
-def live_overhead_ms(run_dir: Path) -> dict[str, float]:
-    """Per router, the median time its live requests spent outside the engines before their first
-    token (kvlab/traces/overhead.py), from the run's traces and requests."""
-    traces = {t.trace_id: t for t in open_source(run_dir).traces()}
-    return median_by_policy(load_requests(run_dir), traces)
 
 
 def twin_topology(a: argparse.Namespace, out: Path) -> str:
@@ -103,7 +94,7 @@ def main() -> None:
             [plan] = plans(TwinSettings(topology=base.topology, users=a.users, requests=live[r]["requests"],
                                         seed=a.seed), [r])
             counted[r] = run(plan, oracle=False).summary
-        overhead = live_overhead_ms(run_dir) if a.measured_overhead else {}
+        overhead = of_run(run_dir) if a.measured_overhead else {}
         measured = {}
         for r, ms in overhead.items():
             settings = msgspec.structs.replace(base, information=Information(request_overhead_ms=max(ms, 0.0)))

@@ -1,6 +1,6 @@
 """Nothing of the local stack listens beyond loopback: every TCP/UDP socket of every process it
 starts is bound to 127.0.0.1 / ::1, or is a Unix socket. The same check for real vLLM (its engine
-core too, and its KV events on a Unix socket), with a dropped client stopping vLLM within 1 s, runs
+core too, and its KV events on a Unix socket), with a dropped client stopping vLLM within seconds, runs
 on tests/test_vllm.py's replicas: one vLLM start-up fewer in the suite."""
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.load.measure import read_records
 from kvlab.run.presets import LAB_QUICK
-from kvlab.traces.overhead import median_by_policy
-from kvlab.traces.sources import open_source
+from kvlab.traces.overhead import of_run
 from kvlab.twin.runner import plans, run
 from kvlab.twin.settings import Information, TwinSettings
 
@@ -76,9 +74,7 @@ def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_o
     TTFT minus the engine's); with it as the request overhead, TTFT p50 is within ±20 % of live for
     both policies, kv-aware's cache hits (tens of ms) included."""
     live, _, _ = both
-    run_dir = Path(quick_lab.run_dir)
-    records = [r for path in sorted(run_dir.glob("phase-*/requests.jsonl")) for r in read_records(path)]
-    overhead = median_by_policy(records, {t.trace_id: t for t in open_source(run_dir).traces()})
+    overhead = of_run(Path(quick_lab.run_dir))
     for policy in POLICIES:
         assert 0 < overhead[policy] < live[policy]["ttft_ms"]["p50"], overhead
         s = live[policy]

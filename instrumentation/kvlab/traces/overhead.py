@@ -11,11 +11,14 @@ time (docs/twin.md, "Validation"); on a loaded 2-core machine it is tens of mill
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 
 from kvlab.load.measure import Record
 from kvlab.telemetry import names
+from kvlab.traces.run import load_requests
+from kvlab.traces.sources import open_source
 from kvlab.traces.span import Trace
 
 
@@ -51,3 +54,8 @@ def median_by_policy(records: Iterable[Record], traces: Mapping[str, Trace]) -> 
     for rec in records:
         by.setdefault(rec.policy, []).append(rec)
     return {policy: float(np.median(ms)) for policy, recs in by.items() if (ms := outside_engine_ms(recs, traces))}
+
+
+def of_run(run_dir: Path) -> dict[str, float]:
+    """`median_by_policy` over a run's requests (every phase's requests.jsonl) and its traces."""
+    return median_by_policy(load_requests(run_dir), {t.trace_id: t for t in open_source(run_dir).traces()})
