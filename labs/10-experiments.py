@@ -200,7 +200,8 @@ assert gap[large] < 0.1, f"once every group fits, round-robin's warm hit rate sh
 rr_hits = [warm[b]["round-robin"] for b in CACHE_BLOCKS]
 assert rr_hits[-1] > rr_hits[0] + 0.3, f"round-robin's warm hit rate should climb with the cache: {rr_hits}"
 affinity, aware = hot["kv-aware-affinity"], hot["kv-aware"]
-assert max(ex.group_replicas(affinity.records, "g0").values()) > 0.95, "affinity keeps the hot group on one replica"
+assert max(ex.group_replicas(affinity.records, "g0").values()) > 0.95, \
+    f"affinity keeps the hot group on one replica: {ex.group_replicas(affinity.records, 'g0')}"
 assert ex.busiest_share(affinity.summary) > 0.75, "affinity's busiest replica should serve most requests"
 assert ex.busiest_share(aware.summary) < ex.busiest_share(affinity.summary) - 0.2, \
     "kv-aware's load scorers should take work off the hot replica"

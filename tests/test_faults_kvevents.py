@@ -58,3 +58,41 @@ def test_replay_of_batches_the_publisher_no_longer_holds_is_refused():
             sub.close()
             pub.close()
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_late_subscriber_catches_up_on_the_blocks_stored_before_it_joined(replay):
+    """A gateway started beside a busy replica (or one whose subscription reached the publisher
+    late: ZMQ's slow joiner) hears a chain's later blocks without their parents. With a replay
+    endpoint the feed first applies what the replica still holds, so the whole chain is known;
+    without one the children cannot be placed and nothing is."""
+    async def go():
+        from kvlab.contract import Endpoint
+        from kvlab.gateway.endpoints import Backend
+        from kvlab.gateway.kvevents import EventFeed
+        from kvlab.kvcache.hashing import block_keys
+        from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        pub = EventPublisher(endpoint, bind=True, replay="tcp://127.0.0.1:*" if replay else None)
+        for b in range(4):                      # before anyone listens
+            pub.publish([_stored(b)])
+        precise = PreciseIndex()
+        r = Backend(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
+        task = asyncio.create_task(EventFeed(precise, ApproximateIndex()).run(r))
+        try:
+            for _ in range(200):                # until the subscriber hears the chain's next block
+                pub.publish([_stored(4)])
+                await asyncio.sleep(0.025)
+                if r.events_state == "live":
+                    break
+            assert r.events_state == "live"
+            return precise.match({BS: block_keys(PROMPT, BS)}, {"a": BS})["a"] // BS, r.events_replayed
+        finally:
+            task.cancel()
+            pub.close()
+    known, replayed = asyncio.run(go())
+    if replay:
+        assert known == 5 and replayed >= 4
+    else:
+        assert known == 0 and replayed == 0

@@ -37,7 +37,7 @@ class Backend:
     events_received: int = 0
     events_gaps: int = 0
     events_restarts: int = 0
-    events_replayed: int = 0            # lost batches recovered from the replay endpoint
+    events_replayed: int = 0            # batches fetched from the replay endpoint (lost, or sent before we joined)
     routed: int = 0
     # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
     tokenizer: str = "unchecked"

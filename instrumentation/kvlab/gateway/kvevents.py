@@ -5,7 +5,10 @@ after a sequence gap (events were lost, so the replica's precise entries are dro
 router uses the approximate index for it) until `resync_s` of gap-free events have rebuilt it.
 When the replica has a replay endpoint (vLLM's `replay_endpoint`, the simulator's), the lost
 batches are fetched from it first: once they all arrive the gap is closed and the index never
-goes stale.
+goes stale. The same endpoint catches a new subscriber up: ZMQ drops what a publisher sends before
+a subscription reaches it (the slow joiner), so the first batch heard is often not the first one
+sent, and blocks stored before it would stay unknown (and so would every block chained onto them).
+The batches the replica still holds from before the first one heard are applied first.
 A sequence going backwards means the engine restarted with an empty cache: both indexes forget
 that replica. A dead or silent stream never blocks serving: the feed is a background task.
 """
@@ -66,7 +69,9 @@ class EventFeed:
         try:
             while True:
                 rec = await sub.recv()
-                if rec.gap and not rec.restarted:
+                if n == 0 and rec.seq > 0:
+                    await self._catch_up(r, sub, rec.seq)
+                elif rec.gap and not rec.restarted:
                     lost = await sub.replay(rec.seq - rec.gap, rec.seq)
                     if lost is not None:
                         r.events_replayed += len(lost)
@@ -83,3 +88,15 @@ class EventFeed:
                     await asyncio.sleep(0)   # a flood of events must not starve request handling
         finally:
             sub.close()
+
+    async def _catch_up(self, r: Backend, sub: EventSubscriber, first: int) -> None:
+        """Apply what the replica still holds from before the first batch heard (`first`)."""
+        earlier = await sub.replay(0, first, timeout_s=2.0, partial=True)
+        for old in earlier or ():
+            try:
+                self.ingest(r, old)
+            except Exception as exc:  # as a live batch: a bad one is skipped
+                log.warning("KV events of %s: batch %d ignored: %s", r.name, old.seq, exc)
+        if earlier:
+            r.events_replayed += len(earlier)
+            log.info("KV events of %s: caught up on %d batches sent before the subscription", r.name, len(earlier))

@@ -160,9 +160,11 @@ class EventSubscriber:
             self.received += 1
             return Received(seq, batch, gap, restarted)
 
-    async def replay(self, start: int, end: int, timeout_s: float = 1.0) -> list[Received] | None:
+    async def replay(self, start: int, end: int, timeout_s: float = 1.0,
+                     partial: bool = False) -> list[Received] | None:
         """Batches `start` .. `end - 1` from the publisher's replay endpoint, or None when there is
-        none, it does not answer within `timeout_s`, or it no longer holds all of them."""
+        none, it does not answer within `timeout_s`, or it no longer holds all of them (with
+        `partial`: those of them it still holds, oldest first)."""
         if self.replay_endpoint is None:
             return None
         sock = self._ctx.socket(zmq.DEALER)
@@ -189,9 +191,9 @@ class EventSubscriber:
                         self.malformed += 1
         finally:
             sock.close(linger=0)
-        if len(got) != end - start:
+        if len(got) != end - start and not partial:
             return None
-        return [Received(seq, got[seq]) for seq in range(start, end)]
+        return [Received(seq, got[seq]) for seq in sorted(got)]
 
     def close(self) -> None:
         self._sock.close(linger=0)
