@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -34,6 +35,15 @@ def require(condition: bool, what: str) -> None:
         if IN_CI:
             pytest.fail(f"CI must provide {what}")
         pytest.skip(f"needs {what}")
+
+
+# kubernetes-validate re-reads its schema files on every validate(), its multi-MB definitions file
+# included: 35 s of test_manifests alone. Each file is read once per test process instead.
+try:
+    import kubernetes_validate.utils as _kubernetes_validate
+    _kubernetes_validate.schema_contents = functools.cache(_kubernetes_validate.schema_contents)
+except ImportError:       # the modules that need it say so (fail in CI, skip locally)
+    pass
 
 
 def require_binary(name: str) -> str:
