@@ -116,8 +116,8 @@ def main() -> None:
     if measured:
         print("\nthe twin with the live run's time outside its engines as --request-overhead-ms")
         print(f"{'router':24} {'overhead ms':>12} {'TTFT p50 live/twin ms':>26} {'TTFT p95 live/twin ms':>26}")
-        for r, tw in measured.items():
-            lv = live[r]
+        for r in (r for r in routers if r in measured):
+            lv, tw = live[r], measured[r]
             p50, p95 = tw.ttft_ms.p50 / lv["ttft_p50_ms"], tw.ttft_ms.p95 / lv["ttft_p95_ms"]
             ok = abs(p50 - 1) <= 0.3 if vllm else abs(p50 - 1) <= 0.2 and abs(p95 - 1) <= 0.2
             print(f"{r:24} {overhead[r]:>12.1f} {lv['ttft_p50_ms']:>9.0f} / {tw.ttft_ms.p50:<6.0f} ({p50:.2f}) "

@@ -1,7 +1,8 @@
 """kvlab.traces.overhead: a request's time outside its engines is its client TTFT minus its
 engine's own (the simulator's engine.queue start to engine.prefill end, or vLLM's llm_request
-span's time_to_first_token); a request without exactly one engine request (unsampled, failed, a
-P/D request's two engines) is left out."""
+span's time_to_first_token); under chunked decoding the first chunk's engine request is the one,
+and its wait for a slot at the gateway is not outside; a request without exactly one engine
+request for its first token (unsampled, failed, a P/D request's two engines) is left out."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def test_real_vllm_engines_count_with_their_own_llm_request_span():
     engine = Span("v", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
                   attributes={names.VLLM_LATENCY_TTFT: 0.120})
     assert outside_engine_ms([_rec("v", 145.0)], {"v": Trace("v", [engine])}) == [pytest.approx(25.0)]
+
+
+def test_under_chunked_decoding_the_first_chunks_engine_request_made_the_first_token():
+    """One upstream call per chunk, each an engine request of its own: the later chunks' come
+    after the first token and are not the engine's TTFT. The first chunk's wait for a decode slot
+    at the gateway is modelled by the twin too, so it is not counted outside."""
+    tid, spans = "c", []
+    for i, (queued, first) in enumerate([(200, 260), (0, 90), (400, 420)]):   # chunk 1 starts first here
+        chunk = f"c{i:015x}"
+        spans += [Span(tid, chunk, None, names.SPAN_CHUNK, "kvlab-gateway", "client", int(queued * MS),
+                       int((first + 50) * MS), attributes={names.CHUNK_INDEX: (1, 0, 2)[i], names.CHUNK_WAIT_MS: 5.0}),
+                  Span(tid, f"{2 * i:016x}", chunk, names.SPAN_ENGINE_QUEUE, "kvlab-sim", "internal",
+                       int(queued * MS), int((queued + 1) * MS)),
+                  Span(tid, f"{2 * i + 1:016x}", chunk, names.SPAN_ENGINE_PREFILL, "kvlab-sim", "internal",
+                       int((queued + 1) * MS), int(first * MS))]
+    assert outside_engine_ms([_rec(tid, 110.0)], {tid: Trace(tid, spans)}) == [15.0]

@@ -78,8 +78,8 @@ def test_completions_and_chats_match_vllm(engine):
 
 
 def test_a_chat_through_the_gateway_is_predicted_exactly_what_vllm_caches(engine):
-    # blocks cached before the gateway subscribed to the events are invisible to its precise index:
-    # start from an empty cache, as a gateway starting with its replicas does
+    # start from an empty cache, as a gateway starting with its replicas does (it catches up on the
+    # batches vLLM's replay endpoint still holds, but only from its first live batch on)
     assert httpx.post(engine["url"] + "/reset_prefix_cache", timeout=30).status_code == 200
     d, port = engine["dir"], free_port()
     proc = _start([sys.executable, "-m", "kvlab.cli", "gateway", "--port", str(port), "--endpoints-file",

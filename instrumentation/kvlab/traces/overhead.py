@@ -1,7 +1,8 @@
 """The live stack's time outside its engines before a first token: per request, the client's TTFT
 minus the engine's own: the simulator's engine.queue span's start to its engine.prefill span's
 end, or real vLLM's `llm_request` span's `gen_ai.latency.time_to_first_token` (from its API
-server's receipt).
+server's receipt). Under chunked decoding the first chunk's engine request made the first token,
+and its wait for one of the gateway's decode slots is taken out too: the twin models those slots.
 
 That is what a model of the engines leaves out: Locust, the gateway, the HTTP hops, the replica's
 request handling and the first token's way back. The cluster twin's `--request-overhead-ms` is this
@@ -19,24 +20,50 @@ from kvlab.load.measure import Record
 from kvlab.telemetry import names
 from kvlab.traces.run import load_requests
 from kvlab.traces.sources import open_source
-from kvlab.traces.span import Trace
+from kvlab.traces.span import Span, Trace
 
 
 def engine_ttft_ms(trace: Trace) -> float | None:
-    """The TTFT the one engine of this trace measured itself; None without exactly one engine
-    request in it (unsampled, or a P/D request's two)."""
-    queue, prefill = trace.find(names.SPAN_ENGINE_QUEUE), trace.find(names.SPAN_ENGINE_PREFILL)
+    """The TTFT the engine that made this trace's first token measured itself; None without
+    exactly one engine request for it (unsampled, or a P/D request's two). Under chunked decoding
+    the first chunk's engine request made it."""
+    spans = _first_chunk(trace)
+    queue = [s for s in spans if s.role == names.SPAN_ENGINE_QUEUE]
+    prefill = [s for s in spans if s.role == names.SPAN_ENGINE_PREFILL]
     if len(queue) == 1 and len(prefill) == 1:
         return (prefill[0].end_ns - queue[0].start_ns) / 1e6
-    vllm = [s.attr(names.VLLM_LATENCY_TTFT) for s in trace.spans if s.name == names.VLLM_SPAN_REQUEST]
+    vllm = [s.attr(names.VLLM_LATENCY_TTFT) for s in spans if s.name == names.VLLM_SPAN_REQUEST]
     if len(vllm) == 1 and isinstance(vllm[0], (int, float)):
         return float(vllm[0]) * 1000.0
     return None
 
 
+def _first_chunk(trace: Trace) -> list[Span]:
+    """The spans under the first gateway.chunk span (one upstream call per chunk), or all of them."""
+    chunks = trace.find(names.SPAN_CHUNK)
+    if not chunks:
+        return list(trace.spans)
+    tree, out, todo = trace.children(), [], [_chunk_zero(chunks)]
+    while todo:
+        span = todo.pop()
+        out.append(span)
+        todo += tree.get(span.span_id, [])
+    return out
+
+
+def slot_wait_ms(trace: Trace) -> float:
+    """How long the first chunk waited for a decode slot at the gateway (0 without chunks)."""
+    chunks = trace.find(names.SPAN_CHUNK)
+    if not chunks:
+        return 0.0
+    wait = _chunk_zero(chunks).attr(names.CHUNK_WAIT_MS, 0.0)
+    return float(wait) if isinstance(wait, (int, float)) else 0.0
+
+
 def outside_engine_ms(records: Iterable[Record], traces: Mapping[str, Trace]) -> list[float]:
-    """Each request's client TTFT minus its engine's, for the records whose trace has one engine
-    request (an unsampled, failed or P/D request is left out)."""
+    """Each request's client TTFT minus its engine's (and its first chunk's slot wait), for the
+    records whose trace has one engine request for the first token (an unsampled, failed or P/D
+    request is left out)."""
     out = []
     for rec in records:
         trace = traces.get(rec.trace_id or "")
@@ -44,7 +71,7 @@ def outside_engine_ms(records: Iterable[Record], traces: Mapping[str, Trace]) ->
             continue
         engine = engine_ttft_ms(trace)
         if engine is not None:
-            out.append(rec.ttft_ms - engine)
+            out.append(rec.ttft_ms - engine - slot_wait_ms(trace))
     return out
 
 
@@ -59,3 +86,7 @@ def median_by_policy(records: Iterable[Record], traces: Mapping[str, Trace]) -> 
 def of_run(run_dir: Path) -> dict[str, float]:
     """`median_by_policy` over a run's requests (every phase's requests.jsonl) and its traces."""
     return median_by_policy(load_requests(run_dir), {t.trace_id: t for t in open_source(run_dir).traces()})
+
+
+def _chunk_zero(chunks: list[Span]) -> Span:
+    return min(chunks, key=lambda s: (s.attr(names.CHUNK_INDEX, 0), s.start_ns))
