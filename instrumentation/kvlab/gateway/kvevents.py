@@ -92,11 +92,13 @@ class EventFeed:
     async def _catch_up(self, r: Backend, sub: EventSubscriber, first: int) -> None:
         """Apply what the replica still holds from before the first batch heard (`first`)."""
         earlier = await sub.replay(0, first, timeout_s=2.0, partial=True)
-        for old in earlier or ():
+        for i, old in enumerate(earlier or ()):
             try:
                 self.ingest(r, old)
             except Exception as exc:  # as a live batch: a bad one is skipped
                 log.warning("KV events of %s: batch %d ignored: %s", r.name, old.seq, exc)
+            if i % 64 == 63:
+                await asyncio.sleep(0)   # up to a whole replay buffer: let requests be served between
         if earlier:
             r.events_replayed += len(earlier)
             log.info("KV events of %s: caught up on %d batches sent before the subscription", r.name, len(earlier))
