@@ -150,9 +150,19 @@ prefix = f"[{tag}] " + " ".join(f"policy {i}: keep answers short and cite the so
 holder = chat(prefix, "warm up", 1).headers[n.HEADER_ROUTED_TO]
 long_question = " ".join(f"detail {i} of the customer's long and entirely new question." for i in range(120))
 probe_id = os.urandom(16).hex()
+
+
+def in_flight():
+    """Requests the gateway has sent and not yet seen finish, over every replica (/debug/endpoints)."""
+    replicas = requests.get(f"{stack.gateway}/debug/endpoints", timeout=5).json()["replicas"]
+    return sum(r["load"]["inflight"] for r in replicas)
+
+
 with ThreadPoolExecutor(max_workers=8) as pool:
     burst = [pool.submit(chat, prefix, f"burst question {i}", 160) for i in range(6)]
-    time.sleep(0.6)                      # the burst is now in flight on the holder
+    deadline = time.monotonic() + 30     # until the gateway has the whole burst in flight (a busy machine is slow to send it)
+    while in_flight() < len(burst) and not any(f.done() for f in burst) and time.monotonic() < deadline:
+        time.sleep(0.05)
     probe = chat(prefix, long_question, 4, headers={"traceparent": f"00-{probe_id}-{os.urandom(8).hex()}-01"})
     burst_replicas = [f.result().headers[n.HEADER_ROUTED_TO] for f in burst]
 print(f"holder {holder}; burst went to {burst_replicas}")
