@@ -164,11 +164,13 @@ class ChatUser(User):
             try:
                 stream_chat(self.http, f"{(self.host or '').rstrip('/')}/v1/chat/completions",
                             chat_body(req, feed.model, feed.workload.seed + n), headers, record)
-            except gevent.GreenletExit:
-                # Locust stopped this user mid-request: OTel leaves a span that a BaseException ends
-                # unmarked, and it would read as a finished request without usage
-                span.set_status(Status(StatusCode.ERROR, "cancelled: the load stopped mid-request"))
-                span.set_attribute(names.ERROR_TYPE, "cancelled")
+            except BaseException as exc:
+                if not isinstance(exc, Exception):
+                    # Locust stopped this user mid-request (GreenletExit, or any other BaseException):
+                    # OTel marks only an Exception, and the span would read as a finished request
+                    # without usage
+                    span.set_status(Status(StatusCode.ERROR, "cancelled: the load stopped mid-request"))
+                    span.set_attribute(names.ERROR_TYPE, "cancelled")
                 raise
             span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, record.status)
             if record.ttft_ms is not None:
