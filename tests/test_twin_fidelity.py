@@ -3,16 +3,18 @@ table): the session's quick lab (`kvlab lab --quick`: quickstart, 4 replicas, ro
 kv-aware, 8 users, 25-s phases, seed 0; conftest.quick_lab, shared with test_lab) and the twin on the
 same topology, workload, seed, users and duration. Delivered hit rate (the twin sending as many
 requests as the live phase did) and TTFT (the same run time) within tolerance. A phase has about
-80-200 requests, where one request moves a hit rate by ~0.01: the test allows four requests' worth
-and the 30-s table in docs/twin.md holds ±0.03."""
+80-200 requests, where one request moves a hit rate by ~0.01 and a TTFT quantile by one rank: the
+test allows four requests' worth of each, and the 30-s table in docs/twin.md holds ±0.03."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvlab.load.measure import read_records
 from kvlab.run.presets import LAB_QUICK
 from kvlab.traces.overhead import of_run
 from kvlab.twin.runner import plans, run
@@ -22,17 +24,20 @@ POLICIES = ["round-robin", "kv-aware"]     # the lab's two phases
 # Which prompts meet their group on a replica follows the order concurrent users' requests arrive in:
 # the live order is timing's, the twin's fixed. The tolerance is this many requests' worth of the
 # live phase (±0.03 at 30 s in docs/twin.md; 12-s phases in CI measured 0.048 and 0.057 at ~50
-# requests, and 0.088 for round-robin when a busy machine served only 33)
-HIT_RATE_TOLERANCE_REQUESTS = 4
+# requests, and 0.088 for round-robin when a busy machine served only 33). A TTFT quantile is allowed
+# as many requests' rank either side (see test_the_twin_ttft_is_the_live_one).
+TOLERANCE_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
 def both(quick_lab):
     assert quick_lab.returncode == 0, quick_lab.stdout[-3000:] + quick_lab.stderr[-3000:]
-    live = {}
+    live, ttfts = {}, {}
     for path in sorted(Path(quick_lab.run_dir).glob("phase-*/summary.json")):
         s = json.loads(path.read_text())
         live[s["policy"]] = s
+        ttfts[s["policy"]] = [r.ttft_ms for r in read_records(path.parent / "requests.jsonl")
+                              if not r.error and r.ttft_ms is not None]
     assert sorted(live) == sorted(POLICIES)
     twin, counted = {}, {}
     for policy, s in live.items():
@@ -43,14 +48,14 @@ def both(quick_lab):
         # a replica has seen (the hit rate) follows how many were sent, not how long that took
         [plan] = plans(TwinSettings(**same, requests=s["requests"]), [policy])
         counted[policy] = run(plan, oracle=False).summary
-    return live, twin, counted
+    return live, twin, counted, ttfts
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_twin_delivers_the_live_hit_rate(both, policy):
-    live, _, counted = both
-    tolerance = HIT_RATE_TOLERANCE_REQUESTS / live[policy]["requests"]
+    live, _, counted, _ = both
+    tolerance = TOLERANCE_REQUESTS / live[policy]["requests"]
     assert abs(counted[policy].hit_rate.delivered - live[policy]["hit_rate"]["delivered"]) <= tolerance, \
         (policy, counted[policy].hit_rate, live[policy]["hit_rate"], tolerance)
 
@@ -58,14 +63,28 @@ def test_the_twin_delivers_the_live_hit_rate(both, policy):
 @pytest.mark.processes
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_twin_ttft_is_the_live_one(both, policy):
-    live, twin, _ = both
-    for q in ("p50", "p95"):
-        ratio = getattr(twin[policy].ttft_ms, q) / live[policy]["ttft_ms"][q]
+    """Each quantile within a band: TOLERANCE_REQUESTS ranks either side of it in the live phase.
+
+    A quantile of ~80 requests is set by a handful of them, and round-robin's p95 sits on a cliff:
+    the 8 users start together, so each replica's second first request waits a whole cold prefill
+    (~2.4 s, 4 requests, live and twin). The twin's users stay in step after that (its engines have
+    no noise) and collide once more at ~2.9 s (3 more); live ones drift apart. So the twin's p95 is
+    ~2,390 ms every time, and the live one 2,390-2,460 ms when a 5th request collided and 1,914 ms
+    when none did (official CI, 80 requests: 1.25x). Four ranks either side absorb that; a twin more
+    than 20 % over the band's top or 40 % under its bottom still fails."""
+    live, twin, _, ttfts = both
+    values = ttfts[policy]
+    band = 100.0 * TOLERANCE_REQUESTS / len(values)
+    for q, at in (("p50", 50.0), ("p95", 95.0)):
+        # the records are the summary's population: the same quantile
+        assert np.percentile(values, at) == pytest.approx(live[policy]["ttft_ms"][q], abs=0.01), (policy, q)
+        lo, hi = np.percentile(values, (max(0.0, at - band), min(100.0, at + band)))
+        t = getattr(twin[policy].ttft_ms, q)
         # The live stack only adds to the model: its processes' own CPU (client, gateway, replica
         # HTTP) on 2 cores shared with the suite's other workers, which the twin does not have. So
         # the twin may be well under live (CI measured kv-aware's p95 at 0.77 and round-robin's p50
         # at 0.70 with 12-s phases; a quick lab in CI gave 0.73 for kv-aware's p50), never far over it.
-        assert 0.6 <= ratio <= 1.2, (policy, q, ratio)
+        assert 0.6 * lo <= t <= 1.2 * hi, (policy, q, t, (lo, hi), live[policy]["ttft_ms"][q])
 
 
 @pytest.mark.processes
@@ -73,7 +92,7 @@ def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_o
     """What the twin leaves out is measured from the lab's own traces (traces/overhead.py: client
     TTFT minus the engine's); with it as the request overhead, TTFT p50 is within ±20 % of live for
     both policies, kv-aware's cache hits (tens of ms) included."""
-    live, _, _ = both
+    live, _, _, _ = both
     overhead = of_run(Path(quick_lab.run_dir))
     for policy in POLICIES:
         assert 0 < overhead[policy] < live[policy]["ttft_ms"]["p50"], overhead
