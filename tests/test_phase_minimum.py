@@ -4,6 +4,7 @@ that fails naming the slow part (kvlab.load.runner.run_bench, `kvlab lab --min-r
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -27,6 +28,21 @@ def test_phase_runs_past_its_duration_until_the_minimum(tmp_path):
     assert json.loads((tmp_path / "phase" / "summary.json").read_text())["ok"] == summary.ok
     # stopped early by kvlab, Locust still wrote its own HTML report (SIGINT, not SIGTERM)
     assert "locust" in (tmp_path / "phase" / "locust.html").read_text().lower()
+
+
+def test_a_phase_stops_on_time_when_kvlab_runs_in_the_background(tmp_path):
+    """A background job (`kvlab lab &`, nohup) has SIGINT ignored, and its children inherit that:
+    Locust must still stop on kvlab's SIGINT, not send for the 15-s grace period (it did: a 25-s
+    quick lab phase took 41 s and counted 130 requests, not ~80)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with sim_process(tmp_path, "--no-kv-events") as (_, info):
+            summary = run_bench(info["replicas"][0]["url"], tmp_path / "phase",
+                                BenchSpec(params=COLD, users=1, duration_s=2, min_requests=1, limit_s=60), phase="bg")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # sent for ~2 s, the last cold request (~1 s) finishing after: never the grace period's 15 s
+    assert summary.ok >= 1 and summary.duration_s < 8, summary.duration_s
 
 
 def test_phase_that_cannot_reach_its_minimum_fails_naming_the_slow_part(tmp_path):

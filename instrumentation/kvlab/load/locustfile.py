@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +41,12 @@ def _stack_gateway() -> str | None:
 
 
 ChatUser.host = _stack_gateway()
+
+# kvlab stops a phase early with SIGINT (load/runner.stop). A shell starts a background job (`kvlab lab
+# &`, nohup) with SIGINT ignored, and exec keeps an ignored signal: Locust would miss it and send for
+# the whole grace period, every one of those requests counted in the phase.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's event hooks are untyped
