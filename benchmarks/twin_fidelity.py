@@ -16,8 +16,10 @@ A ✓ marks a row within the goals: hit rate ±0.03, TTFT within ±20 % (simulat
 
 `--measured-overhead` adds a twin run per router whose `request_overhead_ms` is the live run's own
 time outside its engines, from the run's traces (kvlab/traces/overhead.py): per request, the
-client's TTFT minus the engine's (its engine.queue span's start to its engine.prefill span's end),
-the median over the router's phase. That is everything the twin does not model before a first
+client's TTFT minus the engine's queue and prefill (the simulator's engine.queue span's start to its
+engine.prefill span's end; vLLM's engine-core time_in_queue + time_in_model_prefill), the median over
+the router's phase. `--overhead-from RUN_DIR` takes it from another live run instead: calibrated on
+one run, checked on another. That is everything the twin does not model before a first
 token (Locust, the gateway, the HTTP hops, the replica's request handling, the way back), measured
 apart from the queueing and prefill the twin does model.
 """
@@ -79,6 +81,9 @@ def main() -> None:
     p.add_argument("--live", help="the compare.json of a live run made before with these settings: run no other")
     p.add_argument("--measured-overhead", action="store_true",
                    help="also run the twin with the live run's own time outside its engines (from its traces)")
+    p.add_argument("--overhead-from", metavar="RUN_DIR",
+                   help="as --measured-overhead, but measured in another live run (held out: that run calibrates the "
+                        "overhead, this one checks it)")
     a = p.parse_args()
     a.topology = a.topology or ("vllm" if a.engine == "vllm" else "quickstart")
     vllm = a.engine == "vllm"
@@ -94,7 +99,8 @@ def main() -> None:
             [plan] = plans(TwinSettings(topology=base.topology, users=a.users, requests=live[r]["requests"],
                                         seed=a.seed), [r])
             counted[r] = run(plan, oracle=False).summary
-        overhead = of_run(run_dir) if a.measured_overhead else {}
+        source = Path(a.overhead_from) if a.overhead_from else run_dir if a.measured_overhead else None
+        overhead = of_run(source) if source is not None else {}
         measured = {}
         for r, ms in overhead.items():
             settings = msgspec.structs.replace(base, information=Information(request_overhead_ms=max(ms, 0.0)))
@@ -114,7 +120,9 @@ def main() -> None:
               f"{lv['ttft_p50_ms']:>9.0f} / {tw.ttft_ms.p50:<6.0f} ({p50:.2f}) "
               f"{lv['ttft_p95_ms']:>9.0f} / {tw.ttft_ms.p95:<6.0f} ({p95:.2f})  {'✓' if ok else '✗'}")
     if measured:
-        print("\nthe twin with the live run's time outside its engines as --request-overhead-ms")
+        whose = f"the time outside the engines of {a.overhead_from}" if a.overhead_from else \
+            "the live run's time outside its engines"
+        print(f"\nthe twin with {whose} as --request-overhead-ms")
         print(f"{'router':24} {'overhead ms':>12} {'TTFT p50 live/twin ms':>26} {'TTFT p95 live/twin ms':>26}")
         for r in (r for r in routers if r in measured):
             lv, tw = live[r], measured[r]

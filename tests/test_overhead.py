@@ -1,6 +1,6 @@
 """kvlab.traces.overhead: a request's time outside its engines is its client TTFT minus its
-engine's own (the simulator's engine.queue start to engine.prefill end, or vLLM's llm_request
-span's time_to_first_token); under chunked decoding the first chunk's engine request is the one,
+engine's own queue and prefill (the simulator's engine.queue start to engine.prefill end, or vLLM's
+llm_request span's engine-core time_in_queue + time_in_model_prefill); under chunked decoding the first chunk's engine request is the one,
 and its wait for a slot at the gateway is not outside; a request without exactly one engine
 request for its first token (unsampled, failed, a P/D request's two engines) is left out."""
 
@@ -46,10 +46,17 @@ def test_the_median_is_per_policy():
     assert median_by_policy(records, traces) == {"round-robin": 50.0, "kv-aware": 25.0}
 
 
-def test_real_vllm_engines_count_with_their_own_llm_request_span():
+def test_real_vllm_engines_count_their_engine_cores_queue_and_prefill():
+    """vLLM's time_to_first_token counts from its API server's receipt: tokenizing the prompt and
+    the hand-over to the engine core (and the token's way back) are outside what the twin models."""
     engine = Span("v", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
-                  attributes={names.VLLM_LATENCY_TTFT: 0.120})
-    assert outside_engine_ms([_rec("v", 145.0)], {"v": Trace("v", [engine])}) == [pytest.approx(25.0)]
+                  attributes={names.VLLM_LATENCY_TTFT: 0.250, names.VLLM_LATENCY_QUEUE: 0.030,
+                              names.VLLM_LATENCY_PREFILL: 0.090})
+    assert outside_engine_ms([_rec("v", 275.0)], {"v": Trace("v", [engine])}) == [pytest.approx(155.0)]
+    # a vLLM whose span has no engine-core split: its whole TTFT
+    older = Span("w", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
+                 attributes={names.VLLM_LATENCY_TTFT: 0.120})
+    assert outside_engine_ms([_rec("w", 145.0)], {"w": Trace("w", [older])}) == [pytest.approx(25.0)]
 
 
 def test_under_chunked_decoding_the_first_chunks_engine_request_made_the_first_token():

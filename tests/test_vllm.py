@@ -282,6 +282,12 @@ def test_kv_aware_gateway_routes_repeats_to_the_holder_and_traces_join(stack, ga
     vllm_span = next(s for s in spans if s["name"] == "llm_request")
     upstream = {s["spanId"] for s in spans if s["role"] == names.SPAN_UPSTREAM}
     assert vllm_span["parentSpanId"] in upstream          # a child of the gateway's upstream call
+    # the engine core's queue and prefill, which traces/overhead.py takes as the part the twin models,
+    # are there and inside vLLM's TTFT (counted from its API server's receipt)
+    latency = {a["key"]: float(a["value"]["doubleValue"]) for a in vllm_span["attributes"]
+               if a["key"] in (names.VLLM_LATENCY_TTFT, names.VLLM_LATENCY_QUEUE, names.VLLM_LATENCY_PREFILL)}
+    assert len(latency) == 3, vllm_span["attributes"]
+    assert 0 < latency[names.VLLM_LATENCY_QUEUE] + latency[names.VLLM_LATENCY_PREFILL] < latency[names.VLLM_LATENCY_TTFT]
 
 
 def test_gateway_prediction_on_a_block_aligned_exact_repeat(stack, gateway):

@@ -206,7 +206,9 @@ VLLM_TTFT = "vllm:time_to_first_token_seconds"
 # vLLM's own span of a request (--otlp-traces-endpoint, --collect-detailed-traces) and its TTFT,
 # counted from the API server's receipt (docs/vllm.md, "Tracing")
 VLLM_SPAN_REQUEST = "llm_request"
-VLLM_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"     # seconds
+VLLM_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"     # seconds, from the API server's receipt
+VLLM_LATENCY_QUEUE = "gen_ai.latency.time_in_queue"           # seconds, engine core: queued -> scheduled
+VLLM_LATENCY_PREFILL = "gen_ai.latency.time_in_model_prefill"  # seconds, engine core: scheduled -> first token
 VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 VLLM_QUEUE_TIME = "vllm:request_queue_time_seconds"

@@ -1,12 +1,16 @@
 """The live stack's time outside its engines before a first token: per request, the client's TTFT
-minus the engine's own: the simulator's engine.queue span's start to its engine.prefill span's
-end, or real vLLM's `llm_request` span's `gen_ai.latency.time_to_first_token` (from its API
-server's receipt). Under chunked decoding the first chunk's engine request made the first token,
-and its wait for one of the gateway's decode slots is taken out too: the twin models those slots.
+minus the engine's own queue and prefill, the part the twin models: the simulator's engine.queue
+span's start to its engine.prefill span's end, or real vLLM's `llm_request` span's engine-core
+`time_in_queue` plus `time_in_model_prefill`. vLLM's own `time_to_first_token` counts from its API
+server's receipt, so it also holds the request's tokenization and hand-over to the engine core and
+the first token's way back (on a loaded 2-core machine 130 ms for a 1,867-token prompt served from
+cache, more for a cold one): outside the model, so counted here. Under chunked decoding the first
+chunk's engine request made the first token, and its wait for one of the gateway's decode slots is
+taken out too: the twin models those slots.
 
 That is what a model of the engines leaves out: Locust, the gateway, the HTTP hops, the replica's
 request handling and the first token's way back. The cluster twin's `--request-overhead-ms` is this
-time (docs/twin.md, "Validation"); on a loaded 2-core machine it is tens of milliseconds.
+time (docs/twin.md, "Validation"); on a loaded 2-core machine it is tens to hundreds of milliseconds.
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ def engine_ttft_ms(trace: Trace) -> float | None:
     prefill = [s for s in spans if s.role == names.SPAN_ENGINE_PREFILL]
     if len(queue) == 1 and len(prefill) == 1:
         return (prefill[0].end_ns - queue[0].start_ns) / 1e6
-    vllm = [s.attr(names.VLLM_LATENCY_TTFT) for s in spans if s.name == names.VLLM_SPAN_REQUEST]
-    if len(vllm) == 1 and isinstance(vllm[0], (int, float)):
-        return float(vllm[0]) * 1000.0
-    return None
+    vllm = [s for s in spans if s.name == names.VLLM_SPAN_REQUEST]
+    if len(vllm) != 1:
+        return None
+    queue, prefill = vllm[0].attr(names.VLLM_LATENCY_QUEUE), vllm[0].attr(names.VLLM_LATENCY_PREFILL)
+    if isinstance(queue, (int, float)) and isinstance(prefill, (int, float)):
+        return (float(queue) + float(prefill)) * 1000.0
+    ttft = vllm[0].attr(names.VLLM_LATENCY_TTFT)    # a vLLM without the engine-core split
+    return float(ttft) * 1000.0 if isinstance(ttft, (int, float)) else None
 
 
 def _first_chunk(trace: Trace) -> list[Span]:
