@@ -88,3 +88,14 @@ def test_ttl_zero_turns_the_layer_off():
     idx, _, _, keys = setup(ttl=0)
     assert idx.speculate("a", keys[BS]) == 0
     assert idx.match(keys, {"a": BS}) == {"a": 0}
+
+
+def test_a_reset_replayed_from_before_the_routing_keeps_its_speculation():
+    """A new subscriber's catch-up replays the engine's earlier batches, a reset among them, after
+    this gateway has already routed there: that reset is older than the speculation and leaves it."""
+    idx, _, _, keys = setup()
+    idx.speculate("a", keys[BS][:8])
+    idx.apply("a", [AllBlocksCleared()], keep_speculative=True)
+    assert split(idx, keys, {"a": BS})["a"] == (8 * BS, 8 * BS)
+    idx.apply("a", [AllBlocksCleared()])                       # a live reset: gone
+    assert split(idx, keys, {"a": BS})["a"] == (0, 0)

@@ -8,7 +8,10 @@ batches are fetched from it first: once they all arrive the gap is closed and th
 goes stale. The same endpoint catches a new subscriber up: ZMQ drops what a publisher sends before
 a subscription reaches it (the slow joiner), so the first batch heard is often not the first one
 sent, and blocks stored before it would stay unknown (and so would every block chained onto them).
-The batches the replica still holds from before the first one heard are applied first.
+The batches the replica still holds from before the first one heard are applied first; a reset
+among them leaves the speculative blocks of the requests this gateway has routed there meanwhile
+(they came after it), so a replica whose first batches are still on their way is not taken for
+empty the moment its feed goes live.
 A sequence going backwards means the engine restarted with an empty cache: both indexes forget
 that replica. A dead or silent stream never blocks serving: the feed is a background task.
 """
@@ -36,8 +39,9 @@ class EventFeed:
         self.on_batch = on_batch
         self._stale_since: dict[str, float] = {}
 
-    def ingest(self, r: Backend, rec: Received) -> None:
-        """Apply one received batch, handling gaps and restarts first."""
+    def ingest(self, r: Backend, rec: Received, caught_up: bool = False) -> None:
+        """Apply one received batch, handling gaps and restarts first; `caught_up`: one from before
+        the subscription (see the module docstring)."""
         name = r.name
         if rec.restarted:
             r.events_restarts += 1
@@ -50,7 +54,7 @@ class EventFeed:
             self._stale_since[name] = time.monotonic()
             r.events_state = "stale"
             log.warning("KV events of %s: %d batches lost; precise entries dropped, resyncing", name, rec.gap)
-        self.precise.apply(name, rec.batch.events)
+        self.precise.apply(name, rec.batch.events, keep_speculative=caught_up)
         r.events_received += 1
         if r.events_state != "live":
             since = self._stale_since.get(name)
@@ -94,7 +98,7 @@ class EventFeed:
         earlier = await sub.replay(0, first, timeout_s=2.0, partial=True)
         for i, old in enumerate(earlier or ()):
             try:
-                self.ingest(r, old)
+                self.ingest(r, old, caught_up=True)
             except Exception as exc:  # as a live batch: a bad one is skipped
                 log.warning("KV events of %s: batch %d ignored: %s", r.name, old.seq, exc)
             if i % 64 == 63:

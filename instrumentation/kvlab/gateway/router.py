@@ -6,7 +6,10 @@ otherwise. The chosen replica's
 blocks are then learned by the approximate index, whatever the policy, so it is ready as a
 fallback the moment an event stream goes stale, and, when the replica is on the precise index,
 added to its speculative layer: a request sharing the prefix that arrives before the engine's
-`BlockStored` then sees it (docs/gateway.md, "Speculative blocks").
+`BlockStored` then sees it (docs/gateway.md, "Speculative blocks"). A replica whose event stream
+is not live yet (a new gateway's feed still connecting or catching up) gets them too: when its
+feed goes live before the batches holding those blocks arrive, the precise index must not take
+it for empty (lab 10 saw a hot group split over two replicas that way).
 """
 
 from __future__ import annotations
@@ -117,8 +120,9 @@ class Router:
         return prefix, speculative, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
     def learn(self, r: Backend, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
-        """`r` was sent a prompt with these keys: the approximate index learns them and, when `r`
-        is on the precise index, they are speculative there until its engine confirms them."""
+        """`r` was sent a prompt with these keys: the approximate index learns them and, when the
+        policy's index is precise (whether or not `r`'s feed is live yet) and `r`'s tokenizer is the
+        gateway's, they are speculative there until its engine confirms them."""
         bs = sizes[r.name] if sizes and r.name in sizes else self.block_size(r)
         keys = keys_by_size.get(bs)
         if keys is None:
@@ -126,5 +130,5 @@ class Router:
         if r.num_gpu_blocks:
             self.approx.capacity_of[r.name] = r.num_gpu_blocks
         self.approx.learn(r.name, keys, bs)
-        if self.uses_precise(r):
+        if self.cfg.index.kind == "precise" and r.tokenizer != "tokenizer-mismatch":
             self.precise.speculate(r.name, keys)

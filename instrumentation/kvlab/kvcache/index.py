@@ -212,8 +212,10 @@ class PreciseIndex:
         self.table.discard(replica, gone, speculative=True)
         return len(gone)
 
-    def apply(self, replica: str, events: Iterable[Event]) -> int:
-        """Apply a batch of events from `replica`; returns the number of blocks touched."""
+    def apply(self, replica: str, events: Iterable[Event], keep_speculative: bool = False) -> int:
+        """Apply a batch of events from `replica`; returns the number of blocks touched.
+        `keep_speculative`: an AllBlocksCleared leaves the speculative layer alone (a batch older
+        than the routing that made it: a new subscriber's catch-up, gateway/kvevents.py)."""
         gmap = self._engine.get(replica)
         if gmap is None:
             gmap = self._engine[replica] = {}
@@ -262,12 +264,14 @@ class PreciseIndex:
                         typed.pop(k, None)
                 touched += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
-                self.clear(replica)
+                self.clear(replica, speculative=not keep_speculative)
         return touched
 
-    def clear(self, replica: str) -> None:
-        """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy)."""
-        self._drop_speculative(replica)
+    def clear(self, replica: str, speculative: bool = True) -> None:
+        """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy); its
+        speculative blocks too unless `speculative` is False."""
+        if speculative:
+            self._drop_speculative(replica)
         self.classes.pop(replica, None)
         emap = self._engine.get(replica)
         if emap:
