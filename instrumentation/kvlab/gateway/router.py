@@ -49,9 +49,13 @@ class Router:
     def block_size(self, r: Backend) -> int:
         return r.block_size or self.precise.block_size.get(r.name) or self.cfg.index.default_block_size
 
+    def precise_keys(self, r: Backend) -> bool:
+        """The policy's index is precise and `r`'s block keys are ours (its events' keys would never
+        match ours under a tokenizer mismatch): its routed blocks can be speculative there."""
+        return self.cfg.index.kind == "precise" and r.tokenizer != "tokenizer-mismatch"
+
     def uses_precise(self, r: Backend) -> bool:
-        return (self.cfg.index.kind == "precise" and r.events_state == "live"
-                and r.tokenizer != "tokenizer-mismatch")   # its events' keys would never match ours
+        return self.precise_keys(r) and r.events_state == "live"
 
     def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> Routed:
         t0 = time.perf_counter()
@@ -130,5 +134,5 @@ class Router:
         if r.num_gpu_blocks:
             self.approx.capacity_of[r.name] = r.num_gpu_blocks
         self.approx.learn(r.name, keys, bs)
-        if self.cfg.index.kind == "precise" and r.tokenizer != "tokenizer-mismatch":
+        if self.precise_keys(r):
             self.precise.speculate(r.name, keys)
