@@ -1,6 +1,6 @@
 """Why open loop: against a simulator driven past its capacity, an open loop's queue (and TTFT p99)
 grows the longer the phase runs, while closed-loop users slow their own arrivals and see a flat
-tail. Also: the dispatcher sends within LATE_MS of its schedule at that rate (one stall allowed)."""
+tail. Also: the dispatcher keeps its schedule at that rate (a machine's stalls allowed, waiting on replies not)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,12 @@ def test_open_loop_tail_grows_with_the_phase_closed_loop_stays_flat(replica, tmp
     assert long_open > 1.5 * short_open > 1000, (short_open, long_open)        # the queue keeps growing
     assert long_closed < 1.3 * short_closed, (short_closed, long_closed)       # the closed loop hides it
     assert long_open > 2 * long_closed
-    # the dispatcher kept its schedule: sends within LATE_MS of their time. A loaded CI machine once
-    # stalled one send of 25 by 153 ms; a dispatcher that waited on the replies would be late on most
+    # the dispatcher kept its schedule: the median send within LATE_MS of its time, at most a quarter
+    # late. Loaded CI machines stalled one send of 25 by 153 ms, and two of 26 by up to 249 ms; one
+    # that waited on each reply (tried once) sent 9, 8 of them late, the median by 1.2 s
     loop = opened.open_loop
     assert loop is not None and loop.offered_rps == RATE and loop.sent >= 0.7 * RATE * PHASE_S
-    assert loop.late <= 1 and loop.lateness_ms.p95 < LATE_MS, loop
+    assert loop.late <= loop.sent / 4 and loop.lateness_ms.p50 < LATE_MS, loop
     assert closed.open_loop is None and opened.users is None
 
 
