@@ -112,8 +112,10 @@ for name, t in traces.items():
 # prefill (only the last partial block) and decode. One trace id across three services.
 
 # %%
+# both replicas' engine.request spans: each process exports on its own schedule
 split_trace = nb.wait_trace(stack, probes["long, uncached"]["trace_id"],
-                            spans=(n.SPAN_PREFILL_CALL, n.SPAN_DECODE_CALL, n.SPAN_ENGINE_KV_TRANSFER))
+                            spans=(n.SPAN_PREFILL_CALL, n.SPAN_DECODE_CALL, n.SPAN_ENGINE_KV_TRANSFER,
+                                   n.SPAN_ENGINE_REQUEST, n.SPAN_ENGINE_REQUEST))
 waterfall_figure(split_trace).show()
 transfer = split_trace.first(n.SPAN_ENGINE_KV_TRANSFER)
 print({k.split(".")[-1]: transfer.attr(k) for k in (n.KV_TRANSFER_TOKENS, n.KV_TRANSFER_LOCAL_TOKENS,
