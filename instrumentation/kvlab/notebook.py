@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -268,8 +269,6 @@ def wait_trace(stack: StackInfo, trace_id: str, spans: tuple[str, ...] = (n.SPAN
                timeout_s: float = 20.0) -> Any:
     """The trace `trace_id` once it holds every span named in `spans`, a name listed twice as two
     spans (each process's exporter batches for ~5 s: one service's spans can come in before another's)."""
-    from collections import Counter
-
     from kvlab.errors import KvlabError
     from kvlab.traces.sources import open_source
 

@@ -264,13 +264,13 @@ class PreciseIndex:
                         typed.pop(k, None)
                 touched += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
-                self.clear(replica, speculative=not keep_speculative)
+                self.clear(replica, keep_speculative=keep_speculative)
         return touched
 
-    def clear(self, replica: str, speculative: bool = True) -> None:
+    def clear(self, replica: str, keep_speculative: bool = False) -> None:
         """Forget everything `replica` held (reset, restart, or a gap made it untrustworthy); its
-        speculative blocks too unless `speculative` is False."""
-        if speculative:
+        speculative blocks too unless `keep_speculative`."""
+        if not keep_speculative:
             self._drop_speculative(replica)
         self.classes.pop(replica, None)
         emap = self._engine.get(replica)
