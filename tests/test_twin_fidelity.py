@@ -53,13 +53,14 @@ def both(quick_lab):
         # a replica has seen (the hit rate) follows how many were sent, not how long that took
         [plan] = plans(TwinSettings(**same, requests=s["requests"]), [policy])
         counted[policy] = run(plan, oracle=False).summary
-    return live, twin, counted, ttfts
+    # what the live stack adds outside its engines, measured from the lab's own traces
+    return live, twin, counted, ttfts, of_run(Path(quick_lab.run_dir))
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_twin_delivers_the_live_hit_rate(both, policy):
-    live, _, counted, _ = both
+    live, _, counted, _, _ = both
     tolerance = HIT_TOLERANCE_REQUESTS / live[policy]["requests"]
     assert abs(counted[policy].hit_rate.delivered - live[policy]["hit_rate"]["delivered"]) <= tolerance, \
         (policy, counted[policy].hit_rate, live[policy]["hit_rate"], tolerance)
@@ -75,9 +76,16 @@ def test_the_twin_ttft_is_the_live_one(both, policy):
     (~2.4 s, 4 requests, live and twin). The twin's users stay in step after that (its engines have
     no noise) and collide once more at ~2.9 s (3 more); live ones drift apart. So the twin's p95 is
     ~2,390 ms every time, and the live one 2,390-2,460 ms when a 5th request collided and 1,914 ms
-    when none did (official CI, 80 requests: 1.25x). Four ranks either side absorb that; a twin more
-    than 20 % over the band's top or 40 % under its bottom still fails."""
-    live, twin, _, ttfts = both
+    when none did (official CI, 80 requests: 1.25x). Four ranks either side absorb that.
+
+    The twin alone must not be more than 20 % over the band's top. The live stack only adds to the
+    model (its processes' CPU: client, gateway, replica HTTP on 2 cores shared with the suite's
+    other workers), so from below it is the twin plus that measured time outside the engines
+    (traces/overhead.py) that must reach 60 % of the band's bottom: kv-aware's p50 is a cache hit of
+    ~66 ms in the twin, and a loaded machine adds 17-52 ms to it (official CI: 51 ms, the twin alone
+    at 0.58 of the band's bottom; 32 notebook runs of this lab on the dev VM: 0.36-0.82 alone,
+    0.65-1.09 with it)."""
+    live, twin, _, ttfts, overhead = both
     values = ttfts[policy]
     band = 100.0 * TOLERANCE_REQUESTS / len(values)
     for q, at in (("p50", 50.0), ("p95", 95.0)):
@@ -85,20 +93,16 @@ def test_the_twin_ttft_is_the_live_one(both, policy):
         assert np.percentile(values, at) == pytest.approx(live[policy]["ttft_ms"][q], abs=0.01), (policy, q)
         lo, hi = np.percentile(values, (max(0.0, at - band), min(100.0, at + band)))
         t = getattr(twin[policy].ttft_ms, q)
-        # The live stack only adds to the model: its processes' own CPU (client, gateway, replica
-        # HTTP) on 2 cores shared with the suite's other workers, which the twin does not have. So
-        # the twin may be well under live (CI measured kv-aware's p95 at 0.77 and round-robin's p50
-        # at 0.70 with 12-s phases; a quick lab in CI gave 0.73 for kv-aware's p50), never far over it.
-        assert 0.6 * lo <= t <= 1.2 * hi, (policy, q, t, (lo, hi), live[policy]["ttft_ms"][q])
+        assert 0.6 * lo <= t + overhead[policy] and t <= 1.2 * hi, \
+            (policy, q, t, overhead[policy], (lo, hi), live[policy]["ttft_ms"][q])
 
 
 @pytest.mark.processes
-def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_one(quick_lab, both):
+def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_one(both):
     """What the twin leaves out is measured from the lab's own traces (traces/overhead.py: client
     TTFT minus the engine's); with it as the request overhead, TTFT p50 is within ±20 % of live for
     both policies, kv-aware's cache hits (tens of ms) included."""
-    live, _, _, _ = both
-    overhead = of_run(Path(quick_lab.run_dir))
+    live, _, _, _, overhead = both
     for policy in POLICIES:
         assert 0 < overhead[policy] < live[policy]["ttft_ms"]["p50"], overhead
         s = live[policy]
