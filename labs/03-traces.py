@@ -127,12 +127,17 @@ hitrate_figure(rows).show()
 # %% [markdown]
 # ## 5. When the gateway chooses load over cache
 # KV-aware does not mean "always the cache": the prefix score (×3) is the share of the prompt that
-# is cached, and the load scores (queue ×1, KV usage ×0.5, in-flight ×1) can outweigh it. We make
-# that happen on purpose:
-# 1. warm a ~800-token prefix on one replica (the *holder*);
+# is cached, and the load scores (queue ×1, KV usage ×0.5, in-flight ×1) can outweigh it. The
+# predicted-TTFT score (×1) sits between the two: it counts the prompt tokens each replica would
+# still have to prefill, times the cost per token the gateway has learned for that replica, so it
+# leans towards the holder of a prefix, and by how much varies with each replica's learned cost.
+# We make load win on purpose:
+# 1. warm a ~400-token prefix on one replica (the *holder*);
 # 2. keep the holder busy with a burst of requests of that prefix (long outputs, so they stay in flight);
-# 3. meanwhile send a *probe*: the same prefix followed by a long new question, so only ~25 % of its
-#    prompt is cached. Prefix score 3 × 0.25 ≈ 0.75 no longer beats an idle replica's load scores.
+# 3. meanwhile send a *probe*: the same prefix followed by a long new question (~3,300 tokens), so
+#    only ~10 % of its prompt is cached. Prefix score 3 × 0.1 ≈ 0.3 no longer beats an idle
+#    replica's in-flight score of 1. (With a ~25 % share, 0.75, the holder's predicted-TTFT lean
+#    decided it in about 1 run in 30.)
 #
 # We give the probe our own W3C `traceparent`, so we know its trace id before it is sent.
 
@@ -146,9 +151,9 @@ def chat(content_system, content_user, max_tokens, headers=None):
 
 
 tag = os.urandom(3).hex()       # a fresh prefix each run
-prefix = f"[{tag}] " + " ".join(f"policy {i}: keep answers short and cite the source." for i in range(45))
+prefix = f"[{tag}] " + " ".join(f"policy {i}: keep answers short and cite the source." for i in range(22))
 holder = chat(prefix, "warm up", 1).headers[n.HEADER_ROUTED_TO]
-long_question = " ".join(f"detail {i} of the customer's long and entirely new question." for i in range(120))
+long_question = " ".join(f"detail {i} of the customer's long and entirely new question." for i in range(135))
 probe_id = os.urandom(16).hex()
 
 
@@ -216,5 +221,5 @@ print("✓ traced one request end to end, read two routing decisions and found l
 # | `0 traces` | the topology's `observability.traces` is `off`, or the sink died: `runs/<id>/logs/sink.log` (or `jaeger.log`). |
 # | a trace without the client span | Locust's spans are flushed when it exits; requests still in flight then are cut. Pick another request. |
 # | `did not arrive ... within 20 s` | the gateway or replica cannot reach the OTLP endpoint in `stack.json`; check their logs for exporter errors. |
-# | probe reason `prefix` | the burst finished before the probe was scheduled (a very fast machine) or the holder took no load: raise the burst's `max_tokens` or its size. |
+# | probe reason `prefix` | the burst finished before the probe was scheduled (a very fast machine) or the holder took no load: raise the burst's `max_tokens` or its size. Or the holder's learned prefill cost was far below the others' (the decision table's `predicted_ttft` row): run section 5 again. |
 # | Jaeger link 404 | Jaeger keeps traces in memory: a restarted Jaeger has forgotten them. |
