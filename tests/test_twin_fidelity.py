@@ -10,12 +10,14 @@ holds ±0.03."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvlab.load.measure import read_records
+from kvlab.load.summary import Summary
 from kvlab.run.presets import LAB_QUICK
 from kvlab.traces.overhead import of_run
 from kvlab.twin.runner import plans, run
@@ -34,8 +36,19 @@ HIT_TOLERANCE_REQUESTS = 6
 TOLERANCE_REQUESTS = 4
 
 
+@dataclass(frozen=True)
+class Both:
+    """The quick lab's phases and the twin's, by policy."""
+
+    live: dict[str, dict]             # each phase's summary.json
+    ttfts: dict[str, list[float]]     # each phase's successful requests' TTFTs
+    twin: dict[str, Summary]          # the twin over the phase's duration
+    counted: dict[str, Summary]       # the twin sending as many requests as the phase did
+    overhead: dict[str, float]        # the live time outside the engines (traces/overhead.py)
+
+
 @pytest.fixture(scope="module")
-def both(quick_lab):
+def both(quick_lab) -> Both:
     assert quick_lab.returncode == 0, quick_lab.stdout[-3000:] + quick_lab.stderr[-3000:]
     live, ttfts = {}, {}
     for path in sorted(Path(quick_lab.run_dir).glob("phase-*/summary.json")):
@@ -53,14 +66,13 @@ def both(quick_lab):
         # a replica has seen (the hit rate) follows how many were sent, not how long that took
         [plan] = plans(TwinSettings(**same, requests=s["requests"]), [policy])
         counted[policy] = run(plan, oracle=False).summary
-    # what the live stack adds outside its engines, measured from the lab's own traces
-    return live, twin, counted, ttfts, of_run(Path(quick_lab.run_dir))
+    return Both(live, ttfts, twin, counted, of_run(Path(quick_lab.run_dir)))
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_twin_delivers_the_live_hit_rate(both, policy):
-    live, _, counted, _, _ = both
+    live, counted = both.live, both.counted
     tolerance = HIT_TOLERANCE_REQUESTS / live[policy]["requests"]
     assert abs(counted[policy].hit_rate.delivered - live[policy]["hit_rate"]["delivered"]) <= tolerance, \
         (policy, counted[policy].hit_rate, live[policy]["hit_rate"], tolerance)
@@ -85,8 +97,8 @@ def test_the_twin_ttft_is_the_live_one(both, policy):
     ~66 ms in the twin, and a loaded machine adds 17-52 ms to it (official CI: 51 ms, the twin alone
     at 0.58 of the band's bottom; 32 notebook runs of this lab on the dev VM: 0.36-0.82 alone,
     0.65-1.09 with it)."""
-    live, twin, _, ttfts, overhead = both
-    values = ttfts[policy]
+    live, twin, overhead = both.live, both.twin, both.overhead
+    values = both.ttfts[policy]
     band = 100.0 * TOLERANCE_REQUESTS / len(values)
     for q, at in (("p50", 50.0), ("p95", 95.0)):
         # the records are the summary's population: the same quantile
@@ -102,7 +114,7 @@ def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_o
     """What the twin leaves out is measured from the lab's own traces (traces/overhead.py: client
     TTFT minus the engine's); with it as the request overhead, TTFT p50 is within ±20 % of live for
     both policies, kv-aware's cache hits (tens of ms) included."""
-    live, _, _, _, overhead = both
+    live, overhead = both.live, both.overhead
     for policy in POLICIES:
         assert 0 < overhead[policy] < live[policy]["ttft_ms"]["p50"], overhead
         s = live[policy]
