@@ -109,7 +109,7 @@ def test_free_port_stays_below_the_ports_outgoing_connections_get():
     assert len(set(ports)) == 32 and all(1024 <= p < _ephemeral_start() for p in ports)
 
 
-def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):
+def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch, tmp_path):
     """The OS may offer a just-closed port again; a stack asking for 16 ports before its children
     bind them must still get 16 different ones (a wide-EP stack once got 43895 twice)."""
     import socket
@@ -135,6 +135,7 @@ def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(lifecycle, "_HANDED_OUT", type(lifecycle._HANDED_OUT)(maxlen=16))
+    monkeypatch.setattr(lifecycle, "_CLAIMS", tmp_path)
     monkeypatch.setattr(socket, "socket", Fake)
     assert [lifecycle.free_port() for _ in range(3)] == [41000, 41001, 41002]
 
@@ -160,3 +161,43 @@ def test_the_local_stack_gives_vllm_engines_their_ports_before_vllms_own_args(tm
     [argv] = started
     assert argv.index("--ports") < argv.index("--") and argv.index("--kv-events-ports") < argv.index("--")
     assert argv[argv.index("--") + 1:] == ["--max-num-batched-tokens", "512"]
+
+
+def test_free_port_skips_a_port_another_kvlab_process_handed_out_lately(monkeypatch, tmp_path):
+    """Two processes drawing at once (xdist workers starting stacks) could both find a port free
+    before either child binds it: a P/D simulator's KV-event bind once failed with EADDRINUSE so."""
+    import os
+    import socket
+
+    from kvlab import lifecycle
+
+    taken = 41000
+    (tmp_path / str(taken)).touch()         # another process's claim: the file it left, just now
+    offers = iter([taken, taken + 1])
+
+    class Fake:
+        def __init__(self, *a: object) -> None:
+            self.port = next(offers)
+
+        def __enter__(self) -> Fake:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def bind(self, addr: object) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(lifecycle, "_HANDED_OUT", type(lifecycle._HANDED_OUT)(maxlen=16))
+    monkeypatch.setattr(lifecycle, "_CLAIMS", tmp_path)
+    monkeypatch.setattr(socket, "socket", Fake)
+    assert lifecycle.free_port() == taken + 1
+    # a claim older than CLAIM_S is stale: the port is free to hand out again
+    monkeypatch.setattr(lifecycle, "_HANDED_OUT", type(lifecycle._HANDED_OUT)(maxlen=16))
+    old = lifecycle.time.time() - lifecycle.CLAIM_S - 1
+    os.utime(tmp_path / str(taken), (old, old))
+    offers = iter([taken])
+    assert lifecycle.free_port() == taken

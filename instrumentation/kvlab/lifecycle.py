@@ -17,6 +17,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections import deque
@@ -51,13 +52,39 @@ def _ephemeral_start() -> int:
 
 
 _PICK = random.SystemRandom()   # not `random`'s global state: a seeded notebook would repeat its picks
+# Ports any kvlab process on this machine handed out lately, one empty file each: another process
+# drawing at the same moment (a second test worker's stack, a second lab) would otherwise find the
+# same port free before either child bound it (a P/D simulator once failed so, on its KV-event port)
+_CLAIMS = Path(tempfile.gettempdir()) / f"kvlab-ports-{getattr(os, 'getuid', lambda: 0)()}"
+CLAIM_S = 120.0     # long enough for a stack to start the children it drew ports for
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` machine-wide for CLAIM_S; False if another kvlab process claimed it lately. An
+    unusable claims folder (read-only temp dir) claims nothing: this process's own record remains."""
+    path = _CLAIMS / str(port)
+    try:
+        _CLAIMS.mkdir(exist_ok=True)
+        try:
+            if time.time() - path.stat().st_mtime < CLAIM_S:
+                return False
+            path.unlink()                   # a stale claim
+        except FileNotFoundError:
+            pass
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:                 # claimed between our look and our create
+        return False
+    except OSError:
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now and not handed out before by this process; the caller binds it
-    soon after. It is drawn below the OS's ephemeral range: a port the OS picks (bind to 0) is also
-    one it may give the next outgoing connection's local end, and on a busy machine one did take
-    such a port before the simulator bound it. Without room below that range, the OS picks."""
+    """A TCP port free on `host` now, not handed out before by this process nor lately by another
+    kvlab process (`_claim`); the caller binds it soon after. It is drawn below the OS's ephemeral
+    range: a port the OS picks (bind to 0) is also one it may give the next outgoing connection's
+    local end, and on a busy machine one did take such a port before the simulator bound it.
+    Without room below that range, the OS picks."""
     top = _ephemeral_start()
     for _ in range(64):
         port = _PICK.randrange(max(1024, top - 12000), top) if top > 2048 else 0
@@ -67,7 +94,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue                    # in use (or lingering): draw again
             bound: int = s.getsockname()[1]
-        if bound not in _HANDED_OUT:
+        if bound not in _HANDED_OUT and _claim(bound):
             _HANDED_OUT.append(bound)
             return bound
     raise StackError(f"no free TCP port on {host} that this process has not handed out already")
