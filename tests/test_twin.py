@@ -20,7 +20,7 @@ from kvlab.twin.runner import TwinResult, plans, run
 from kvlab.twin.settings import Information, TwinSettings, resolve
 
 # quickstart's shape, smaller: 8 groups of a 400-token system prompt, capacity for about 4 of them
-SMALL = TwinSettings(topology="quickstart", replicas=4, num_blocks=120, requests=160, users=8,
+SMALL = TwinSettings(topology="quickstart", replicas=4, num_blocks=120, max_model_len=1024, requests=160, users=8,
                      workload="shared-prefix", workload_params={"groups": 8, "system_tokens": 400,
                                                                 "question_tokens": 24, "output_tokens": 12})
 
@@ -129,7 +129,7 @@ def test_a_trace_that_does_not_parse_is_refused_naming_its_line(tmp_path, capsys
 def test_the_command_writes_the_live_runs_files_labelled_as_the_twin(tmp_path):
     out = tmp_path / "run"
     params = json.dumps(SMALL.workload_params)
-    assert cli.main(["--policy", "round-robin,kv-aware", "--replicas", "4", "--num-blocks", "120", "--requests",
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "4", "--num-blocks", "120", "--max-model-len", "1024", "--requests",
                      "40", "--workload", "shared-prefix", "--workload-params", params, "--out", str(out)]) == 0
     for policy in ("round-robin", "kv-aware"):
         s = read_summary(out / policy / "summary.json")

@@ -7,7 +7,8 @@
     │   └── PromptTooLong      prompt + max_tokens exceed the model length -> 400
     ├── UpstreamError          a replica failed (connect, status, broken stream)
     │   └── NoEndpointAvailable  no healthy replica to route to -> 503
-    └── StackError             a local process or cluster step failed to start or become healthy
+    ├── StackError             a local process or cluster step failed to start or become healthy
+    └── TwinError              a twin run stopped making progress (its watchdog)
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class ModelNotFound(RequestError):
 
 class PromptTooLong(RequestError):
     pass
+
+
+class TwinError(KvlabError):
+    """A twin run whose virtual time stopped advancing: ended with what was seen, never a hang."""
 
 
 class UpstreamError(KvlabError):

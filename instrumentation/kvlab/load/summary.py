@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from kvlab.engine.sim.length import TOO_LONG
 from kvlab.load.measure import UNFINISHED, Record
 
 SCHEMA_VERSION = 1
@@ -97,6 +98,9 @@ class Summary(msgspec.Struct, kw_only=True):
     ok: int = 0
     errors: int = 0
     first_error: str | None = None
+    too_long: int = 0                  # of the errors: vLLM's 400 for prompt + max_tokens over the max model length
+    too_long_prompt_max: int | None = None   # the longest such prompt (tokens)
+    partial: bool = False              # the run was stopped (Ctrl-C, SIGTERM, a watchdog): what had finished
     duration_s: float = 0.0
     rps: float = 0.0
     output_tok_s: float = 0.0
@@ -190,6 +194,7 @@ def summarize(records: Sequence[Record], slo: Slo | None = None, min_window_s: f
     """
     ok = [r for r in records if not r.error]
     errors = [r for r in records if r.error]
+    too_long = [r.prompt_tokens or 0 for r in errors if r.status == 400 and TOO_LONG in (r.error or "")]
     window = 0.0
     if records:
         start = min(r.ts for r in records)
@@ -206,6 +211,8 @@ def summarize(records: Sequence[Record], slo: Slo | None = None, min_window_s: f
         ok=len(ok),
         errors=len(errors),
         first_error=errors[0].error if errors else None,
+        too_long=len(too_long),
+        too_long_prompt_max=max(too_long, default=None),
         duration_s=round(window, 3),
         rps=round(len(ok) / window, 3) if window else 0.0,
         output_tok_s=round(out_tokens / window, 3) if window else 0.0,

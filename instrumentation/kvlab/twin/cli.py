@@ -1,33 +1,39 @@
 """`kvlab twin`: the workload through one or more policies on N simulated replicas, in virtual time.
 
-    kvlab twin --topology quickstart --policy round-robin,kv-aware --replicas 16 --requests 5000
-    kvlab twin --trace mooncake-conversation --replicas 16 --requests 10000 --profile qwen3-32b-tp2-h100
+    kvlab twin --topology quickstart --policies round-robin,kv-aware --replicas 16 --requests 5000
+    kvlab twin --trace mooncake-conversation --replicas 16 --requests 10000 --profile h100-qwen3-32b-tp2
     kvlab twin --config my-twin.yaml         # TwinSettings keys (twin/settings.py)
 
 Settings are checked before anything runs (unknown topology, policy, profile, workload or trace
-line; replicas outside 1-128). Writes runs/<id>-twin/: per policy summary.json and requests.jsonl,
+line; replicas outside 1-128; a max model length over the KV cache). A request longer than the max
+model length is answered 400, as vLLM answers it; Ctrl-C or SIGTERM writes what had finished
+(summaries marked partial). Writes runs/<id>-twin/: per policy summary.json and requests.jsonl,
 and compare.json (its `twin` section: the settings), compare.html, report.html (docs/twin.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from kvlab.compare.results import table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
 from kvlab.twin import output
-from kvlab.twin.runner import TwinResult, plans, run
-from kvlab.twin.settings import TwinSettings
+from kvlab.twin.fit import describe
+from kvlab.twin.progress import RunProgress
+from kvlab.twin.runner import Interrupt, Stopped, TwinResult, plans, run
+from kvlab.twin.settings import Plan, TwinSettings
 
 # flag -> Information field
 _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after the engine step (ms)",
@@ -41,31 +47,38 @@ _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after t
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab twin", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file of twin settings (flags override it)")
+    p.add_argument("--config", metavar="YAML", help="YAML file of twin settings (flags override it)")
     p.add_argument("--topology", help="shipped topology name or YAML path (default quickstart)")
-    p.add_argument("--policy", help="comma-separated policies, or `all` (default: the topology's)")
+    p.add_argument("--policies", metavar="NAMES",
+                   help="routing policies compared, comma-separated, or `all` (default: the topology's)")
+    p.add_argument("--policy", dest="policies", help=argparse.SUPPRESS)   # the old name
     p.add_argument("--replicas", type=int,
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
                         "replica brings its ranks; 1-128 endpoints in all")
-    p.add_argument("--profile", help="latency profile (default: the topology's sim profile)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per replica")
+    p.add_argument("--profile", help="latency profile (default: the topology's; with --trace, the first shipped "
+                                     "profile that holds the trace's longest request when the topology's does not)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: the topology's / profile's)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the topology's / profile's)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="longest request (prompt + max_tokens) a replica takes; longer ones are answered 400 "
+                        "(default: the topology's / profile's; at most the KV cache)")
     p.add_argument("--workload", help="workload name (default: the topology's)")
-    p.add_argument("--workload-params", help="JSON object of workload parameters")
+    p.add_argument("--workload-params", metavar="JSON", help="JSON object of workload parameters")
     p.add_argument("--trace", help="Mooncake trace name or file: the trace workload at its own timing")
     p.add_argument("--requests", type=int, help="requests to send (default 1000)")
-    p.add_argument("--duration", dest="duration_s", type=float,
+    p.add_argument("--duration", dest="duration_s", type=float, metavar="SECONDS",
                    help="also stop sending after this many virtual seconds (as a live phase)")
     p.add_argument("--users", type=int, help="closed-loop users (default 8 without --rate/--trace)")
     p.add_argument("--rate", type=float, help="open loop: requests/s")
     p.add_argument("--arrival", help="poisson | constant | gamma:CV (with --rate)")
-    p.add_argument("--time-scale", type=float, help="a trace's timestamps times this")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--time-scale", type=float, metavar="FACTOR", help="a trace's timestamps times this")
+    p.add_argument("--seed", type=int, help="seed of the workload, arrivals and engines (default 0)")
     p.add_argument("--perfect", action="store_true", help="the router sees everything at once (upper bound)")
     for name, help_ in _INFO_FLAGS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_)
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, metavar="N", help=help_)
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle's ceiling (saves memory at scale)")
-    p.add_argument("--out", help="run directory (default runs/<time>-twin)")
+    p.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<time>-twin)")
+    p.add_argument("--out", dest="run_dir", help=argparse.SUPPRESS)   # the old name
     return p
 
 
@@ -73,7 +86,8 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     """The typed settings from --config and the flags (a ConfigError for anything wrong)."""
     data: dict[str, Any] = dict(read_yaml(args.config) or {}) if args.config else {}
     info: dict[str, Any] = dict(data.get("information") or {})
-    for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "workload", "trace", "requests",
+    for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "max_model_len", "workload", "trace",
+                "requests",
                 "duration_s", "users", "rate", "arrival", "time_scale", "seed"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
@@ -96,7 +110,7 @@ def policies_of(text: str | None) -> list[str]:
         return []
     names = list(PRESETS) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
     if not names:
-        raise ConfigError("--policy names no policy")
+        raise ConfigError("--policies names no policy")
     return names
 
 
@@ -116,49 +130,105 @@ def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
                      for r in results}}
 
 
+def header(plan: Plan) -> list[str]:
+    """What runs, and why this profile; a trace's requests no replica can hold."""
+    lines = [f"twin · {plan.topology.name} · {plan.replicas} replicas × {plan.num_blocks} blocks · profile "
+             f"{plan.profile_name} (max model length {plan.max_model_len:,}) · {plan.workload.name} · "
+             f"{plan.settings.requests} requests · "
+             f"{'perfect information' if plan.information.perfect else 'live-like information'}"]
+    if plan.profile_reason:
+        lines.append(f"profile {plan.profile_name}: {plan.profile_reason}")
+    if plan.fit is not None and (note := describe(plan.fit, plan.profile_name)):
+        lines.append(note)
+    return lines
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     console = Console(stderr=True)
     try:
         settings = settings_of(args)
-        todo = plans(settings, policies_of(args.policy))
+        todo = plans(settings, policies_of(args.policies))
     except ConfigError as exc:
         console.print(f"[red]kvlab twin:[/red] {exc}")
         return 2
     first = todo[0]
-    console.print(f"twin · {first.topology.name} · {first.replicas} replicas × {first.num_blocks} blocks · "
-                  f"profile {first.profile_name} · {first.workload.name} · {first.settings.requests} requests · "
-                  f"{'perfect information' if first.information.perfect else 'live-like information'}")
-    results = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+    for line in header(first):
+        console.print(line, highlight=False)
+    results: list[TwinResult] = []
+    stopped: Stopped | None = None
+    with _sigterm_interrupts(), RunProgress(console) as bar:
         for plan in todo:
-            task = bar.add_task(plan.policy.name, total=plan.settings.requests)
+            try:
+                results.append(run(plan, oracle=not args.no_oracle,
+                                   progress=bar.task(plan.policy.name, plan.settings.requests)))
+            except Stopped as exc:
+                results.append(exc.result)
+                stopped = exc
+                break
+    if not results[-1].records:
+        results.pop()
+    if not results:
+        console.print(f"[red]kvlab twin:[/red] {stopped.why if stopped else 'nothing ran'}; nothing finished")
+        return 1
+    pages = write(results, argv, args.run_dir, args.no_oracle)
+    rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
+    console.print(table(first.workload.name, rows, _oracle_note(first, args.no_oracle)))
+    for r in results:
+        s = r.summary
+        rate = len(r.records) / r.wall_s if r.wall_s else 0.0
+        console.print(f"{r.plan.policy.name}: {len(r.records)} requests{' (partial)' if s.partial else ''}, "
+                      f"{r.outcome.virtual_s:.0f} s simulated in {r.wall_s:.1f} s ({rate:.0f} requests/s, "
+                      f"{r.speedup:.0f}× real time)", highlight=False)
+        if s.too_long:
+            console.print(f"{r.plan.policy.name}: {s.too_long} requests answered 400 (longer than the max model "
+                          f"length {r.plan.max_model_len:,}; the longest prompt {s.too_long_prompt_max:,} tokens)",
+                          highlight=False)
+    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from the twin)")
+    if stopped is not None:
+        console.print(f"[red]kvlab twin:[/red] {stopped.why}; wrote what had finished (summary marked partial)")
+        cause = stopped.__cause__
+        return 130 if isinstance(cause, KeyboardInterrupt) else 143 if isinstance(cause, Interrupt) else 1
+    return 0
 
-            def advance(n: int, task: TaskID = task) -> None:
-                if n % 100 == 0:
-                    bar.update(task, completed=n)
 
-            results.append(run(plan, oracle=not args.no_oracle, progress=advance))
+def _oracle_note(first: Plan, skipped: bool) -> str:
+    return ("oracle skipped (--no-oracle)" if skipped
+            else f"oracle: Belady on one pooled cache of {first.replicas} × {first.num_blocks} blocks")
+
+
+def write(results: list[TwinResult], argv: list[str], run_dir_arg: str | None, no_oracle: bool) -> dict[str, Path]:
+    """Every file of the run (docs/twin.md), in --run-dir or a new runs/<time>-twin."""
     from kvlab.stack.state import new_run_dir, set_latest
 
-    run_dir = Path(args.out) if args.out else new_run_dir("twin")
+    run_dir = Path(run_dir_arg) if run_dir_arg else new_run_dir("twin")
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in results:
         output.write_policy(run_dir, r.plan.policy.name, r.summary, r.records)
     rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
-    note = (f"oracle: Belady on one pooled cache of {first.replicas} × {first.num_blocks} blocks"
-            if not args.no_oracle else "oracle skipped (--no-oracle)")
     pages = output.write_pages(run_dir, document(results, argv), {r.plan.policy.name: r.summary for r in results},
-                             {r.plan.policy.name: r.records for r in results}, rows, note)
-    if not args.out:
+                               {r.plan.policy.name: r.records for r in results}, rows,
+                               _oracle_note(results[0].plan, no_oracle))
+    if not run_dir_arg:
         set_latest(run_dir)
-    console.print(table(first.workload.name, rows, note))
-    for r in results:
-        console.print(f"{r.plan.policy.name}: {len(r.records)} requests, {r.outcome.virtual_s:.0f} s simulated in "
-                      f"{r.wall_s:.1f} s ({len(r.records) / r.wall_s:.0f} requests/s, {r.speedup:.0f}× real time)")
-    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from the twin)")
-    return 0
+    return pages
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the run in progress as Ctrl-C does, so what finished is written."""
+    def stop(signum: int, frame: object) -> None:
+        raise Interrupt("SIGTERM")
+
+    try:
+        old = signal.signal(signal.SIGTERM, stop)
+    except ValueError:   # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import cast
 
 from kvlab.engine.sim.dp import lockstep_group
+from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pull, offered, reserve
+from kvlab.errors import TwinError
 from kvlab.gateway.chunked.slots import SlotQueue, class_rank
 from kvlab.gateway.endpoints import Registry
 from kvlab.gateway.prefill import Prefill, PrefillBook
@@ -47,6 +49,10 @@ from kvlab.twin.settings import Plan
 
 SEND, SUBMIT, STEP, EVENTS, SCRAPE, CRUISE, TRANSFER, LOCKSTEP = 0, 1, 2, 3, 4, 5, 6, 7
 _OUTPUT_TOKEN = 1000   # the id every simulated output token has (its value never matters here)
+# the watchdog: this many events in a row at one virtual instant, or this many steps in a row of
+# one replica that schedule nothing while it has work, mean the run stopped advancing
+STALL_EVENTS = 1_000_000
+STALL_STEPS = 10_000
 
 
 @dataclass(slots=True)
@@ -123,6 +129,7 @@ class Cluster:
         self._flights: dict[str, Flight] = {}
         self._pending_events: dict[str, list[Event]] = {}
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
+        self._idle: dict[Replica, tuple[int, int]] = {}   # the watchdog: (step, empty steps in a row to it)
         self._ids = 0
 
     def _lockstep(self, plan: Plan) -> Sampler | None:
@@ -167,12 +174,19 @@ class Cluster:
             self._push(0.0, SCRAPE, None)
         heap, intake = self._heap, self._intake
         pop = heapq.heappop
+        last, same = -1.0, 0
         while heap or intake:
             # client-side events (sends, a request reaching its engine) and engine-side ones, in time order
             if intake and (not heap or intake[0][0] < heap[0][0]):
                 t, _, kind, obj = pop(intake)
             else:
                 t, _, kind, obj = pop(heap)
+            if t != last:
+                last, same = t, 0
+            else:
+                same += 1
+                if same >= STALL_EVENTS:
+                    raise self._stalled(f"{same:,} events in a row at one instant")
             self.now_ms = t
             if kind == STEP:
                 self._step_end(obj)  # type: ignore[arg-type]
@@ -195,6 +209,10 @@ class Cluster:
                 self._landed(*obj)  # type: ignore[misc]
             elif kind == LOCKSTEP:
                 self._lockstep_end(obj)  # type: ignore[arg-type]
+        return self.outcome()
+
+    def outcome(self) -> Outcome:
+        """What has finished so far (all of it once `run` returns; a stopped run's part)."""
         return Outcome(self._records, self._end_ms / 1000.0, sum(r.steps for r in self.replicas),
                        [r.name for r in self.replicas], self.precise.total_blocks(), self.precise.confirmed,
                        self.precise.expired)
@@ -247,6 +265,10 @@ class Cluster:
         now = self.now_ms
         if self._times is not None and prompt.step == 0:
             self._next_arrival()
+        if self.plan.max_model_len and (message := too_long(len(prompt.tokens), prompt.max_tokens,
+                                                            self.plan.max_model_len)) is not None:
+            self._refuse(prompt, user, rest, message)
+            return
         if self.info.scrape_interval_ms <= 0:   # the router reads every replica's state as it is now
             self._settle_all()
             for r in self.replicas:
@@ -383,6 +405,8 @@ class Cluster:
             self._push(self.now_ms + group.start_step(), LOCKSTEP, group)
         elif not self._cruise(replica):
             self._push(self.now_ms + replica.start_step(), STEP, replica)
+            if not replica.batch.requests:   # type: ignore[union-attr]
+                self._idle_step(replica)
 
     def _cruise(self, replica: Replica) -> bool:
         """Start up to k identical pure-decode steps as one event, when no request waits and every
@@ -569,6 +593,40 @@ class Cluster:
                 self._push(now + rest[0].pause_s * 1000.0, SEND, (rest[0], None, rest[1:]))
             else:
                 self._next_of_user(f.user, now)
+
+    # ---- never a hang ---------------------------------------------------------------------
+    def _refuse(self, prompt: Prompt, user: int | None, rest: list[Prompt], message: str) -> None:
+        """vLLM's 400 for a request longer than the max model length (engine/sim/length.py): an
+        error record, and its client goes on as after any answer."""
+        now, plan = self.now_ms, self.plan
+        took = self.info.request_overhead_ms
+        self._records.append(Record(ts=now / 1000.0, phase=plan.policy.name, policy=plan.policy.name,
+                                    workload=plan.workload.name, group=prompt.group, session=prompt.session,
+                                    step=prompt.step, status=400, prompt_tokens=len(prompt.tokens), e2e_ms=took,
+                                    error=f"HTTP 400: {message}"))
+        self._end_ms = max(self._end_ms, now + took)
+        if self._progress is not None:
+            self._progress(len(self._records))
+        if user is not None:
+            self._next_of_user(user, now + took)
+        elif rest:
+            self._push(now + took + rest[0].pause_s * 1000.0, SEND, (rest[0], None, rest[1:]))
+
+    def _idle_step(self, replica: Replica) -> None:
+        """A step of a replica with work scheduled nothing: many in a row are a livelock."""
+        step, n = self._idle.get(replica, (-1, 0))
+        n = n + 1 if step == replica.steps - 1 else 1
+        self._idle[replica] = (replica.steps, n)
+        if n >= STALL_STEPS:
+            sched = replica.sched
+            raise self._stalled(f"replica {replica.name} stepped {n:,} times in a row scheduling nothing, with "
+                                f"{len(sched.waiting)} waiting and {len(sched.running)} running requests and "
+                                f"{replica.pool.num_free} of {replica.pool.num_blocks} KV blocks free")
+
+    def _stalled(self, what: str) -> TwinError:
+        return TwinError(f"the twin stopped advancing at {self.now_ms / 1000.0:,.3f} s of virtual time: {what} "
+                         f"({len(self._records):,} requests finished, {len(self._flights):,} in flight). "
+                         "This is a livelock in the twin or its settings; please report it with the command")
 
 
 def _rng(plan: Plan) -> random.Random:

@@ -61,10 +61,15 @@ class Feed:
         n, round_ = 0, 0
         while True:
             for row in trace.rows:
-                yield [Prompt(self._trace_tokens(trace, row, round_), max(1, round(row.output_length *
-                              trace.params.token_scale)), f"h{row.hash_ids[0]}", n, 0)]
+                yield [Prompt(self._trace_tokens(trace, row, round_), trace_max_tokens(trace, row),
+                              f"h{row.hash_ids[0]}", n, 0)]
                 n += 1
             round_ += 1
+
+    @property
+    def template_tokens(self) -> int:
+        """Tokens the chat template adds around a trace row's prompt."""
+        return len(self._head) + len(self._tail)
 
     def _trace_tokens(self, trace: Trace, row: TraceRow, round_: int) -> list[int]:
         size = trace.block_tokens
@@ -72,7 +77,7 @@ class Feed:
             ids = np.asarray(sorted({self.tok.tok.encode(" " + w)[0] for w in _single_token_words()}))
             rng = np.random.default_rng(trace.seed)
             self._pool = ids[rng.integers(0, len(ids), _POOL + size)].tolist()
-        tokens = min(max(1, round(row.input_length * trace.params.token_scale)), size * len(row.hash_ids))
+        tokens = trace_prompt_tokens(trace, row)
         out = list(self._head)
         for h in row.hash_ids:
             if len(out) - len(self._head) >= tokens:
@@ -84,3 +89,13 @@ class Feed:
         del out[len(self._head) + tokens:]
         out.extend(self._tail)
         return out
+
+
+def trace_prompt_tokens(trace: Trace, row: TraceRow) -> int:
+    """A trace row's prompt tokens inside the chat template: its input length, at most its blocks'."""
+    return min(max(1, round(row.input_length * trace.params.token_scale)), trace.block_tokens * len(row.hash_ids))
+
+
+def trace_max_tokens(trace: Trace, row: TraceRow) -> int:
+    """A trace row's max_tokens: its output length."""
+    return max(1, round(row.output_length * trace.params.token_scale))

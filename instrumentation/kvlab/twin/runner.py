@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvlab.errors import TwinError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Oracle, ceiling
 from kvlab.load.summary import Slo, Summary, open_loop, summarize
@@ -44,13 +45,37 @@ def plans(settings: TwinSettings, policies: list[str]) -> list[Plan]:
     return [dataclasses.replace(p, workload=out[0].workload) for p in out]
 
 
+class Stopped(Exception):
+    """A run ended early (Ctrl-C, SIGTERM, the watchdog): `result` holds what had finished, its
+    summary marked partial; `why` says what stopped it."""
+
+    def __init__(self, result: TwinResult, why: str) -> None:
+        super().__init__(why)
+        self.result = result
+        self.why = why
+
+
+class Interrupt(Exception):
+    """Raised into a run by a signal handler (`kvlab twin` on SIGTERM) to stop it where it is."""
+
+
 def run(plan: Plan, oracle: bool = True, feed: Feed | None = None,
-        progress: Callable[[int], None] | None = None) -> TwinResult:
-    """Run one plan to its end."""
+        progress: Callable[[int, float], None] | None = None) -> TwinResult:
+    """Run one plan to its end, `progress(requests done, virtual seconds)` as each finishes;
+    `Stopped` (with what had finished) when it is interrupted or its watchdog fires."""
     start = time.perf_counter()
     cluster = Cluster(plan, feed, keep_keys=oracle)
-    outcome = cluster.run(progress)
-    wall = time.perf_counter() - start
+    try:
+        outcome = cluster.run(None if progress is None else lambda n: progress(n, cluster.now_ms / 1000.0))
+    except (KeyboardInterrupt, Interrupt, TwinError) as exc:
+        why = str(exc) if isinstance(exc, TwinError) else f"stopped by {type(exc).__name__}"
+        result = _result(plan, cluster, cluster.outcome(), time.perf_counter() - start)
+        result.summary.partial = True
+        raise Stopped(result, why) from exc
+    return _result(plan, cluster, outcome, time.perf_counter() - start)
+
+
+def _result(plan: Plan, cluster: Cluster, outcome: Outcome, wall: float) -> TwinResult:
     records = sorted(outcome.records, key=lambda r: r.ts)
     s = plan.settings
     summary = summarize(records, Slo())

@@ -16,12 +16,14 @@ from typing import Annotated, Any
 import msgspec
 
 from kvlab.config import Strict
+from kvlab.engine.sim.length import check_cache
 from kvlab.engine.sim.profile import LatencyProfile, get_profile
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PolicyConfig, load_policy
 from kvlab.load.arrival import Arrival, arrival
 from kvlab.load.workloads import Workload, create
 from kvlab.topology import SimSettings, Topology, builtin, load_topology
+from kvlab.twin.fit import Fit, fitting_profile, request_lengths
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 MAX_REPLICAS = 128
@@ -66,6 +68,7 @@ class TwinSettings(Strict, frozen=True):
     replicas: int | None = None           # None: the topology's replicas
     profile: str | None = None            # None: the topology's sim profile
     num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
+    max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None   # None: the topology's / profile's
     block_size: int | None = None         # tokens per KV block; None: the topology's / profile's
     workload: str | None = None           # None: the topology's workload
     workload_params: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -110,6 +113,9 @@ class Plan:
     users: int | None                     # closed loop
     trace_timing: bool                    # open loop at the trace's own timestamps
     information: Information
+    max_model_len: int = 0                # longer requests (prompt + max_tokens) are answered 400; 0: no limit
+    fit: Fit | None = None                # a trace's requests against max_model_len (twin/fit.py)
+    profile_reason: str | None = None     # why the profile was chosen, when no one named it
 
 
 def resolve(s: TwinSettings) -> Plan:
@@ -120,10 +126,25 @@ def resolve(s: TwinSettings) -> Plan:
     if not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
     policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
-    name = s.profile or topo.sim.profile
+    if s.trace is not None:
+        wname, params = "trace", {**s.workload_params, "path": s.trace}
+    else:
+        wname = s.workload or topo.workload.name
+        params = s.workload_params if s.workload else {**topo.workload.params, **s.workload_params}
+    try:
+        workload = create(wname, s.seed, params)
+    except ValueError as exc:   # a parameter check in a workload's __post_init__
+        raise ConfigError(f"workload {wname}: {exc}") from None
+    lengths = request_lengths(workload, s.requests)
+    name, reason = s.profile or topo.sim.profile, None
+    if lengths and s.profile is None and s.max_model_len is None:
+        longest = max(lengths)
+        if longest > topo.sim.max_model_len and (other := fitting_profile(longest)) is not None:
+            name, reason = other, (f"the first shipped profile that holds the trace's longest request ({longest:,} "
+                                   f"tokens; {topo.name}'s {topo.sim.profile} takes {topo.sim.max_model_len:,})")
     profile = get_profile(name)
     sim = topo.sim
-    if s.profile is not None and s.profile != topo.sim.profile:   # another engine: its own sizes
+    if name != topo.sim.profile:   # another engine: its own sizes
         sim = msgspec.structs.replace(sim, profile=name, block_size=profile.block_size, num_blocks=None,
                                       max_num_seqs=profile.max_num_seqs,
                                       max_num_batched_tokens=profile.max_num_batched_tokens,
@@ -137,22 +158,15 @@ def resolve(s: TwinSettings) -> Plan:
     blocks = s.num_blocks or sim.num_blocks or profile.num_blocks
     if blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1 (got {blocks})")
-    if s.trace is not None:
-        wname, params = "trace", {**s.workload_params, "path": s.trace}
-    else:
-        wname = s.workload or topo.workload.name
-        params = s.workload_params if s.workload else {**topo.workload.params, **s.workload_params}
-    try:
-        workload = create(wname, s.seed, params)
-    except ValueError as exc:   # a parameter check in a workload's __post_init__
-        raise ConfigError(f"workload {wname}: {exc}") from None
+    max_len = s.max_model_len or sim.max_model_len
+    check_cache(max_len, blocks, sim.block_size)
     if s.users is not None and s.rate is not None:
         raise ConfigError("give users (closed loop) or rate (open loop), not both")
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
     users = s.users if s.users is not None else (None if rate or trace_timing else 8)
     return Plan(s, topo, policy, profile, name, sim, replicas, members, blocks, workload, rate, users, trace_timing,
-                s.information.effective())
+                s.information.effective(), max_len, Fit(lengths, max_len) if lengths else None, reason)
 
 
 def layout(topo: Topology, replicas: int | None) -> list[Member]:

@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
 def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
     """The replicas described by parsed flags (not started)."""
     from kvlab.engine.sim.dp import lockstep_group
+    from kvlab.engine.sim.length import check_cache
     from kvlab.engine.sim.profile import get_profile
     from kvlab.engine.sim.replica import EngineConfig, Replica
     from kvlab.engine.sim.sampler import Sampler
@@ -79,9 +80,7 @@ def build_replicas(args: argparse.Namespace) -> tuple[list[Replica], list[int]]:
         raise ConfigError("--typed-retention must be in [0, 1)")
     if min(cfg.block_size, cfg.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) < 1:
         raise ConfigError("sizes must be positive")
-    if cfg.max_model_len > cfg.num_blocks * cfg.block_size:
-        raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the KV cache "
-                          f"({cfg.num_blocks} blocks x {cfg.block_size} tokens): raise --num-blocks")
+    check_cache(cfg.max_model_len, cfg.num_blocks, cfg.block_size)
     tokenizer = Tokenizer(args.tokenizer)
     sampler = Sampler(tokenizer, args.seed)
     dp = args.data_parallel_size

@@ -48,6 +48,7 @@ class LatencyProfile(Strict, frozen=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    gpus_per_replica: int = 1        # GPUs one replica occupies (tensor parallelism); 0: a CPU process
     moe: MoeSpec | None = None       # mixture-of-experts layers (moe.py); None: a dense model
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, prefill_ctx_k: float = 0.0,

@@ -21,6 +21,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -178,12 +179,8 @@ class Api:
             raise RequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
         if body.temperature is not None and body.temperature < 0:
             raise RequestError("temperature must be non-negative", param="temperature")
-        if len(ids) + max_tokens > self.max_model_len:
-            raise PromptTooLong(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} "
-                f"in the completion). Please reduce the length of the messages or completion.",
-                param="messages" if isinstance(body, ChatRequest) else "prompt")
+        if (message := too_long(len(ids), max_tokens, self.max_model_len)) is not None:
+            raise PromptTooLong(message, param="messages" if isinstance(body, ChatRequest) else "prompt")
         return max_tokens
 
     async def _generate(self, request: web.Request, t0: int, body: _Generation, ids: list[int],
