@@ -1,0 +1,94 @@
+"""The twin on any input: requests over the max model length are 400s, sizes no engine would start
+are refused, a livelock ends with an error, a stopped run writes what had finished (all virtual time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from kvlab.engine.sim.scheduler import Batch, Scheduler
+from kvlab.errors import TwinError
+from kvlab.load.summary import read_summary
+from kvlab.twin import cli, cluster
+from kvlab.twin.progress import RunProgress
+from kvlab.twin.runner import Stopped, run
+from kvlab.twin.settings import TwinSettings, resolve
+
+
+def _trace(tmp_path, lengths: list[int]) -> str:
+    rows = [{"timestamp": i * 200, "input_length": n, "output_length": 8,
+             "hash_ids": list(range(i * 100, i * 100 + -(-n // 512)))} for i, n in enumerate(lengths)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_requests_over_the_max_model_length_are_answered_400_and_counted(tmp_path):
+    trace = _trace(tmp_path, [600, 3000, 700, 5000, 650, 800])
+    plan = resolve(TwinSettings(trace=trace, replicas=2, requests=6, policy="kv-aware", max_model_len=2048))
+    assert plan.fit is not None and plan.fit.over == 2   # said before the run
+    r = run(plan)
+    s = r.summary
+    assert s.requests == 6 and s.ok == 4 and s.errors == 2 and s.too_long == 2
+    assert s.too_long_prompt_max is not None and 5000 <= s.too_long_prompt_max < 5100   # the template's few tokens
+    bad = [rec for rec in r.records if rec.error]
+    assert all(rec.status == 400 and "maximum context length is 2048 tokens" in (rec.error or "") for rec in bad)
+
+
+def test_a_trace_with_no_profile_named_runs_on_a_shipped_profile_that_holds_it(tmp_path):
+    plan = resolve(TwinSettings(trace=_trace(tmp_path, [600, 20_000]), replicas=2, requests=2))
+    assert plan.profile_name == "h100-llama3-8b" and plan.max_model_len >= 20_000
+    assert plan.profile_reason is not None and "longest request" in plan.profile_reason
+    assert plan.fit is not None and plan.fit.over == 0
+    named = resolve(TwinSettings(trace=_trace(tmp_path, [600, 20_000]), replicas=2, requests=2, profile="cpu-tiny"))
+    assert named.profile_name == "cpu-tiny" and named.fit is not None and named.fit.over == 1
+
+
+def test_a_max_model_length_over_the_kv_cache_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["--num-blocks", "100", "--max-model-len", "4096", "--run-dir", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--max-model-len 4096 exceeds the KV cache (100 blocks x 16 tokens = 1600)" in err
+    assert not out.exists()
+
+
+def _never_admits(self: Scheduler) -> Batch:
+    return Batch()
+
+
+def test_the_watchdog_ends_a_livelock_with_an_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(Scheduler, "schedule", _never_admits)
+    monkeypatch.setattr(cluster, "STALL_STEPS", 500)
+    with pytest.raises(Stopped) as stopped:
+        run(resolve(TwinSettings(replicas=2, requests=10, users=2, policy="round-robin")))
+    assert isinstance(stopped.value.__cause__, TwinError) and stopped.value.result.summary.partial
+    assert "stepped 500 times in a row scheduling nothing" in stopped.value.why
+    assert cli.main(["--replicas", "2", "--requests", "10", "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "the twin stopped advancing" in err and "Traceback" not in err
+
+
+def test_sigterm_writes_what_had_finished_marked_partial(monkeypatch, tmp_path):
+    task = RunProgress.task
+
+    def kill_at_20(self, name, total):
+        update = task(self, name, total)
+
+        def wrapped(done, virtual_s):
+            update(done, virtual_s)
+            if done == 20:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return wrapped
+
+    monkeypatch.setattr(RunProgress, "task", kill_at_20)
+    out = tmp_path / "run"
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "200",
+                     "--run-dir", str(out)]) == 143
+    s = read_summary(out / "round-robin" / "summary.json")
+    assert s.partial and 20 <= s.requests < 200
+    assert len((out / "round-robin" / "requests.jsonl").read_text().splitlines()) == s.requests
+    assert not (out / "kv-aware").exists()       # never started
+    assert signal.getsignal(signal.SIGTERM) is not None and (out / "compare.json").exists()
