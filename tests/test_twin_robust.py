@@ -92,3 +92,16 @@ def test_sigterm_writes_what_had_finished_marked_partial(monkeypatch, tmp_path):
     assert len((out / "round-robin" / "requests.jsonl").read_text().splitlines()) == s.requests
     assert not (out / "kv-aware").exists()       # never started
     assert signal.getsignal(signal.SIGTERM) is not None and (out / "compare.json").exists()
+
+
+def test_the_table_stays_whole_in_80_columns_of_a_log(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["--policies", "round-robin,kv-aware,kv-aware-chunked-256", "--replicas", "16",
+                     "--requests", "16", "--run-dir", str(out)]) == 0
+    err = capsys.readouterr().err   # a non-terminal console: 80 columns
+    assert "…" not in err and "round-robin" in err and "kv-aware-chunked-" in err
+    assert max(len(line) for line in err.splitlines() if "│" in line or "┃" in line) <= 80
+    rows = json.loads((out / "compare.json").read_text())["workloads"]
+    [section] = rows.values()
+    for r in section["routers"]:
+        assert f"{r['hit_rate']:.3f}" in err   # every figure whole

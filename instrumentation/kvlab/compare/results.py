@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 
 from kvlab.gateway.tokens import PromptTokenizer
@@ -156,11 +158,44 @@ def cells(r: Row) -> list[str]:
             f"{spread} ({_f(r.max_load, '{:.2f}')})"]
 
 
-def table(workload: str, rows: list[Row], oracle_note: str) -> Table:
-    """The terminal table of one workload."""
-    t = Table(title=f"{workload} · {oracle_note}", title_justify="left")
-    for i, (header, _) in enumerate(COLUMNS):
-        t.add_column(header, justify="left" if i == 0 else "right")
-    for r in rows:
-        t.add_row(*cells(r))
-    return t
+def table(workload: str, rows: list[Row], oracle_note: str) -> RouterTable:
+    """The terminal table of one workload: a column per figure where the console is wide enough,
+    else a row per figure and a column per router, so no figure is ever cut ("0.3…")."""
+    return RouterTable(f"{workload} · {oracle_note}", rows)
+
+
+class RouterTable:
+    """Rows of routers, laid out for the width it is printed at (a log's 80 columns included)."""
+
+    def __init__(self, title: str, rows: list[Row]) -> None:
+        self.title = title
+        self.rows = rows
+
+    def wide(self) -> Table:
+        t = Table(title=self.title, title_justify="left")
+        for i, (header, _) in enumerate(COLUMNS):
+            t.add_column(header, justify="left" if i == 0 else "right", no_wrap=0 < i < len(COLUMNS) - 1)
+        for r in self.rows:
+            t.add_row(*cells(r))
+        return t
+
+    def narrow(self, rows: list[Row], title: str | None) -> Table:
+        """A row per figure, a column per router (names wrap); balance as the max load alone."""
+        t = Table(title=title, title_justify="left")
+        t.add_column("", no_wrap=True)
+        for r in rows:
+            t.add_column(f"{r.router}{' (peer)' if r.peer else ''}", justify="right", overflow="fold")
+        by_router = [cells(r) for r in rows]
+        for i, (header, _) in enumerate(COLUMNS[1:-1], 1):
+            t.add_row(header if header not in ("p95", "p99") else f"TTFT {header}", *(c[i] for c in by_router))
+        t.add_row("max load", *(_f(r.max_load, "{:.2f}") for r in rows))
+        return t
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        wide = self.wide()
+        if Measurement.get(console, options.update_width(10_000), wide).maximum <= options.max_width:
+            yield wide
+            return
+        per = max(1, (options.max_width - 14) // 12)   # router columns of 12 hold every figure whole
+        for i in range(0, len(self.rows), per):
+            yield self.narrow(self.rows[i:i + per], self.title if i == 0 else None)
