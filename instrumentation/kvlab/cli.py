@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenize": ("kvlab.gateway.tokenize", "print the token ids the gateway routes on (parity check)"),
     "model": ("kvlab.engine.model", "build a tiny local model for real vLLM on CPU"),
     "twin": ("kvlab.twin.cli", "the cluster twin: kvlab's router on 1-128 simulated replicas in virtual time"),
+    "plan": ("kvlab.plan.cli", "how many replicas (GPUs) each routing policy needs to meet an SLO, from the twin"),
     "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),
     "traces": ("kvlab.traces.cli", "list, show and explain traces of a run"),
     "dashboards": ("kvlab.dashboards", "write the Grafana dashboards to dashboards/"),
