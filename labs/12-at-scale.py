@@ -23,8 +23,9 @@
 #    working set) and where load starts to decide instead.
 # 3. See what the router's information lag costs: the same run with the live stack's KV-event delay
 #    and 200 ms scrapes, and with perfect information.
+# 4. Ask how many replicas each policy needs to meet an SLO at a given load (`kvlab plan`).
 #
-# Every figure here is from the twin, not a live run. Time: about 40 s, no stack needed.
+# Every figure here is from the twin, not a live run. Time: about 90 s, no stack needed.
 
 # %% tags=["parameters"]
 TARGET = "local"             # the twin runs in this process: no stack
@@ -34,6 +35,7 @@ REQUESTS_PER_REPLICA = 40
 RATE_PER_REPLICA = 0.8       # requests/s, open loop
 GROUPS = 64
 SEED = 0
+PLAN_REQUESTS = 80           # requests per probe of the replica search
 
 # %%
 import msgspec
@@ -113,6 +115,32 @@ for name, r in views.items():
 # router is then blind (docs/twin.md, "What the router sees").
 
 # %% [markdown]
+# ## How many replicas does each policy need?
+# The operator's question: at a given load and SLO, the fewest replicas each router meets it with
+# (`kvlab plan`, docs/twin.md "How many replicas?"). The twin doubles the replica count until the
+# SLO (TTFT p90 ≤ 2 s, TPOT p90 ≤ 100 ms) is met, then bisects; each probe is a twin run.
+
+# %%
+from kvlab.plan.search import Target, replicas_needed
+
+PLAN_RATE = 4.0              # requests/s, open loop, the whole cluster
+load = TwinSettings(topology=TOPOLOGY, requests=PLAN_REQUESTS, rate=PLAN_RATE, workload_params={"groups": GROUPS},
+                    seed=SEED)
+needed = {p: replicas_needed(load, Target(ttft_p90_ms=2000, tpot_p90_ms=100), p, limit=16, start=4)
+          for p in ("round-robin", "kv-aware")}
+for p, a in needed.items():
+    probes = ", ".join(f"{n}: {'meets' if pr.met else 'misses'} (TTFT p90 {pr.ttft_p90_ms:,.0f} ms)"
+                       for n, pr in sorted(a.probes.items()))
+    print(f"{p:<12} needs {a.replicas} replicas · probes {probes}")
+print(f"kv-aware saves {needed['round-robin'].replicas - needed['kv-aware'].replicas} replicas at {PLAN_RATE} "
+      "requests/s (twin)")
+
+# %% [markdown]
+# A cache-aware router serves the same load with fewer replicas: its hits shorten prefill, so each
+# replica keeps up with more requests. `kvlab plan --trace ...` asks the same of a trace and
+# prints GPUs (replicas × the profile's GPUs per replica).
+
+# %% [markdown]
 # ## Checkpoints
 
 # %%
@@ -125,6 +153,8 @@ assert results[(big, "kv-aware")].summary.hit_rate.delivered >= 0.9 * results[(b
     "kv-aware is far from the oracle with the working set cached"
 assert results[(big, "round-robin")].summary.ttft_ms.p50 > results[(big, "kv-aware")].summary.ttft_ms.p50
 assert views["perfect"].summary.hit_rate.delivered >= views["no KV events"].summary.hit_rate.delivered - 0.02
+assert needed["kv-aware"].replicas is not None and needed["round-robin"].replicas is not None
+assert needed["kv-aware"].replicas <= needed["round-robin"].replicas, "kv-aware needs more replicas than round-robin"
 print("✓ cache-aware routing beats round-robin at every size and reaches the oracle once the cache holds the "
       "working set")
 
@@ -133,5 +163,6 @@ print("✓ cache-aware routing beats round-robin at every size and reaches the o
 # | symptom | what to do |
 # |---|---|
 # | slow | lower `REQUESTS_PER_REPLICA` or drop 64 from `SIZES`; the twin's speed is in docs/benchmarks.md. |
+# | the replica search is slow | lower `PLAN_REQUESTS`; each probe is a twin run of that many requests. |
 # | every TTFT in seconds | the offered rate is over what the replicas serve: lower `RATE_PER_REPLICA`. |
 # | hit rates all near the oracle | the cache holds every group even at 4 replicas: raise `GROUPS`. |
