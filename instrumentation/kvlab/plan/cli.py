@@ -41,16 +41,19 @@ SOURCE = "kvlab plan: twin runs (virtual time, simulated replicas), not a live r
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="Mooncake trace name or file, replayed at its own timing")
-    p.add_argument("--workload", help="workload name instead of a trace (default: the topology's)")
+    p.add_argument("--trace", metavar="NAME_OR_FILE", help="Mooncake trace name or file, replayed at its own timing")
+    p.add_argument("--workload", metavar="NAME", help="workload name instead of a trace (default: the topology's)")
     p.add_argument("--workload-params", metavar="JSON", help="JSON object of workload parameters")
-    p.add_argument("--rate", type=float, help="open loop at this many requests/s (default with --workload: 8 users)")
+    p.add_argument("--rate", type=float, metavar="RPS",
+                   help="open loop at this many requests/s (default with --workload: 8 users)")
     p.add_argument("--time-scale", type=float, metavar="FACTOR",
                    help="a trace's timestamps times this (0.5: twice its rate; default 1)")
-    p.add_argument("--topology", default="quickstart", help="shipped topology name or YAML path (default quickstart)")
-    p.add_argument("--profile", help="latency profile (default as kvlab twin: one that holds the trace)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: the profile's)")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+    p.add_argument("--topology", default="quickstart", metavar="NAME",
+                   help="shipped topology name or YAML path (default quickstart)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="latency profile (default as kvlab twin: one that holds the trace)")
+    p.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks per replica (default: the profile's)")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
                    help=f"requests per probe (default {DEFAULT_REQUESTS})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="NAMES",
                    help=f"routing policies to size, comma-separated (default {DEFAULT_POLICIES})")
@@ -59,9 +62,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-p90-ms", type=float, default=100.0, metavar="MS", help="TPOT p90 bound (default 100)")
     p.add_argument("--goodput-share", type=float, metavar="SHARE",
                    help="least share of requests meeting both per-request bounds, 0-1 (default: none)")
-    p.add_argument("--start", type=int, default=1, help="fewest replicas tried (default 1)")
+    p.add_argument("--start", type=int, default=1, metavar="N", help="fewest replicas tried (default 1)")
     p.add_argument("--max-replicas", type=int, default=64, metavar="N", help="most replicas tried (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload, arrivals and engines (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the workload, arrivals and engines (default 0)")
     p.add_argument("--run-dir", metavar="DIR", help="where plan.json and plan.html go (default runs/<time>-plan)")
     return p
 

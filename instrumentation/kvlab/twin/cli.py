@@ -48,31 +48,35 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab twin", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="YAML", help="YAML file of twin settings (flags override it)")
-    p.add_argument("--topology", help="shipped topology name or YAML path (default quickstart)")
+    p.add_argument("--topology", metavar="NAME", help="shipped topology name or YAML path (default quickstart)")
     p.add_argument("--policies", metavar="NAMES",
                    help="routing policies compared, comma-separated, or `all` (default: the topology's)")
     p.add_argument("--policy", dest="policies", help=argparse.SUPPRESS)   # the old name
-    p.add_argument("--replicas", type=int,
+    p.add_argument("--replicas", type=int, metavar="N",
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
                         "replica brings its ranks; 1-128 endpoints in all")
-    p.add_argument("--profile", help="latency profile (default: the topology's; with --trace, the first shipped "
-                                     "profile that holds the trace's longest request when the topology's does not)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: the topology's / profile's)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the topology's / profile's)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="latency profile (default: the topology's; with --trace, the first shipped "
+                        "profile that holds the trace's longest request when the topology's does not)")
+    p.add_argument("--num-blocks", type=int, metavar="N",
+                   help="KV blocks per replica (default: the topology's / profile's)")
+    p.add_argument("--block-size", type=int, metavar="TOKENS",
+                   help="tokens per KV block (default: the topology's / profile's)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
                    help="longest request (prompt + max_tokens) a replica takes; longer ones are answered 400 "
                         "(default: the topology's / profile's; at most the KV cache)")
-    p.add_argument("--workload", help="workload name (default: the topology's)")
+    p.add_argument("--workload", metavar="NAME", help="workload name (default: the topology's)")
     p.add_argument("--workload-params", metavar="JSON", help="JSON object of workload parameters")
-    p.add_argument("--trace", help="Mooncake trace name or file: the trace workload at its own timing")
-    p.add_argument("--requests", type=int, help="requests to send (default 1000)")
+    p.add_argument("--trace", metavar="NAME_OR_FILE",
+                   help="Mooncake trace name or file: the trace workload at its own timing")
+    p.add_argument("--requests", type=int, metavar="N", help="requests to send (default 1000)")
     p.add_argument("--duration", dest="duration_s", type=float, metavar="SECONDS",
                    help="also stop sending after this many virtual seconds (as a live phase)")
-    p.add_argument("--users", type=int, help="closed-loop users (default 8 without --rate/--trace)")
-    p.add_argument("--rate", type=float, help="open loop: requests/s")
-    p.add_argument("--arrival", help="poisson | constant | gamma:CV (with --rate)")
+    p.add_argument("--users", type=int, metavar="N", help="closed-loop users (default 8 without --rate/--trace)")
+    p.add_argument("--rate", type=float, metavar="RPS", help="open loop: requests/s")
+    p.add_argument("--arrival", metavar="KIND", help="poisson | constant | gamma:CV (with --rate)")
     p.add_argument("--time-scale", type=float, metavar="FACTOR", help="a trace's timestamps times this")
-    p.add_argument("--seed", type=int, help="seed of the workload, arrivals and engines (default 0)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed of the workload, arrivals and engines (default 0)")
     p.add_argument("--perfect", action="store_true", help="the router sees everything at once (upper bound)")
     for name, help_ in _INFO_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, metavar="N", help=help_)
@@ -119,12 +123,14 @@ def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
     s = first.settings
     return {"command": "kvlab twin " + " ".join(argv), "source": output.SOURCE,
             "settings": msgspec.to_builtins(s), "information": msgspec.to_builtins(first.information),
-            "topology": first.topology.name, "profile": first.profile_name, "replicas": first.replicas,
+            "topology": first.topology.name, "profile": first.profile_name, "profile_reason": first.profile_reason,
+            "max_model_len": first.max_model_len, "replicas": first.replicas,
             "num_blocks": first.num_blocks, "users": first.users, "seed": s.seed,
             "workload": first.workload.describe(),
             "runs": {r.plan.policy.name: {"wall_s": round(r.wall_s, 3), "virtual_s": round(r.outcome.virtual_s, 3),
                                           "speedup": round(r.speedup, 1), "engine_steps": r.outcome.steps,
                                           "requests_per_s": round(len(r.records) / r.wall_s, 1) if r.wall_s else None,
+                                          "partial": r.summary.partial, "too_long": r.summary.too_long,
                                           "speculative_confirmed": r.outcome.speculative_confirmed,
                                           "speculative_expired": r.outcome.speculative_expired}
                      for r in results}}
