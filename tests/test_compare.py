@@ -106,7 +106,7 @@ def compared(tmp_path_factory):
     require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
     root = tmp_path_factory.mktemp("compare")
     (root / "t.yaml").write_text(TOPOLOGY)
-    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--routers",
+    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--policies",
                    "kv-aware,vllm-router:cache_aware,vllm-router:kv_aware,mine",
                    "--router", MINE, "--duration", "6", "--users", "4", "--run-dir", str(root / "run"), cwd=root)
     return result, root / "run"
@@ -187,7 +187,7 @@ def test_compare_writes_the_html_report_and_stops_every_router(compared):
 
 @pytest.mark.processes
 def test_compare_rejects_a_bad_router_before_starting_anything(tmp_path):
-    result = kvlab("compare", "--routers", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
+    result = kvlab("compare", "--policies", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
     assert result.returncode == 1
     assert "kvlab compare: unknown vllm-router policy 'best'" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()

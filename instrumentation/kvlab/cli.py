@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),
     "traces": ("kvlab.traces.cli", "list, show and explain traces of a run"),
     "dashboards": ("kvlab.dashboards", "write the Grafana dashboards to dashboards/"),
-    "cluster": ("kvlab.stack.kind", "the kind cluster path: create, deploy, status, forward"),
+    "cluster": ("kvlab.stack.kind",
+                "the kind cluster path: create, deploy, render, preflight, status, forward, delete"),
 }
 
 

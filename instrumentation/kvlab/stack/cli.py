@@ -103,9 +103,18 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+# what each command does (its --help)
+DESCRIPTIONS = {
+    "up": "Start a local stack (replicas, gateway, telemetry) from a topology, detached; its processes go to "
+          "the run's stack.json.",
+    "status": "Show the local stack's processes (those in stack.json) and their health.",
+    "down": "Stop the local stack: every process stack.json records, peers and leftovers included.",
+}
+
+
 def parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"kvlab {command}", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", help="run directory (default: a new one for up, runs/latest otherwise)")
+    p = argparse.ArgumentParser(prog=f"kvlab {command}", description=DESCRIPTIONS[command])
+    p.add_argument("--run-dir", help="the run directory (default: a new one for up, runs/latest otherwise)")
     if command == "up":
         p.add_argument("--topology", default="quickstart", help="a labs/topologies name or a YAML file")
         p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
