@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("kvlab.engine.model", "build a tiny local model for real vLLM on CPU"),
     "twin": ("kvlab.twin.cli", "the cluster twin: kvlab's router on 1-128 simulated replicas in virtual time"),
     "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),
+    "report": ("kvlab.report.saved", "render a run's report.html (and compare.html) again from its saved files"),
     "traces": ("kvlab.traces.cli", "list, show and explain traces of a run"),
     "dashboards": ("kvlab.dashboards", "write the Grafana dashboards to dashboards/"),
     "cluster": ("kvlab.stack.kind",
