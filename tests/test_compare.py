@@ -19,7 +19,7 @@ from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
-from kvlab.process import runs_command
+from kvlab.process import still_running
 from kvlab.run.routers import commands, render, resolve
 from kvlab.stack.base import read_info
 
@@ -182,7 +182,7 @@ def test_compare_writes_the_html_report_and_stops_every_router(compared):
     assert stack is not None and stack.status == "stopped"
     logs = sorted(p.name for p in (run / "logs").iterdir())
     assert "router-vllm-router-cache_aware.log" in logs and "router-mine.log" in logs
-    assert not any(runs_command(p.pid, p.argv) for p in stack.processes)
+    assert not any(still_running(p) for p in stack.processes)
 
 
 @pytest.mark.processes
