@@ -75,10 +75,10 @@ def test_a_closed_loop_table_has_no_open_loop_rows_and_small_changes_read_as_suc
     console.print(summary_table({"a": before, "b": after}))
     text = console.export_text()
     assert "offered" not in text and "sends late" not in text and "unfinished" not in text
-    assert "goodput (req/s, TTFT ≤ 1500 ms and TPOT ≤ 150 ms)" in text
+    assert "goodput: requests with TTFT ≤ 1500 ms and TPOT ≤ 150 ms" in text   # the caption names the SLO
     row = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.count("│") >= 4}
     assert row["TTFT p50 (ms)"].rstrip(" │").endswith("≈")              # 600 → 610: within 3 %
-    assert "50% higher" in row["goodput (req/s, TTFT ≤ 1500 ms and TPOT ≤ 150 ms)"]
+    assert "50% higher" in row["goodput (req/s, SLO met)"] and row["errors"].rstrip(" │").endswith("=")
     assert "1.0×" not in text
 
 

@@ -36,10 +36,13 @@ SAME = 0.03   # a change smaller than this share of the before value prints as "
 
 
 def _change(before: float | None, after: float | None, better: str | None) -> str:
-    """After against before: "≈" within 3 %, "12% lower" under 2×, "2.4× higher" beyond; green when better."""
+    """After against before: "=" the same, "≈" within 3 %, "12% lower" under 2×, "2.4× higher" beyond;
+    green when better."""
     if before is None or after is None or better is None:
         return ""
-    if before == after or (before and abs(after - before) <= SAME * abs(before)):
+    if before == after:
+        return "="
+    if before and abs(after - before) <= SAME * abs(before):
         return "≈"
     if not before:
         text = "new"
@@ -51,26 +54,27 @@ def _change(before: float | None, after: float | None, better: str | None) -> st
     return f"[green]{text}[/green]" if good else f"[red]{text}[/red]"
 
 
-def _label(label: str, phases: list[Summary]) -> str:
-    """The goodput row names its SLO (each phase's; they share one in a run)."""
+def _slo(phases: list[Summary]) -> str:
+    """The SLO the goodput row counts (one per run), for the caption."""
     slos = {(s.goodput.slo.ttft_ms, s.goodput.slo.tpot_ms) for s in phases if s.goodput}
-    if label.startswith("goodput") and len(slos) == 1:
-        ttft, tpot = slos.pop()
-        return f"goodput (req/s, TTFT ≤ {ttft:g} ms and TPOT ≤ {tpot:g} ms)"
-    return label
+    if len(slos) != 1:
+        return ""
+    ttft, tpot = slos.pop()
+    return f"goodput: requests with TTFT ≤ {ttft:g} ms and TPOT ≤ {tpot:g} ms"
 
 
 def summary_table(summaries: Mapping[str, Summary], title: str | None = None) -> Table:
-    """Rows = metrics, columns = phases; with exactly two phases a `change` column (green = better,
-    ≈ = within 3 %)."""
+    """Rows = metrics, columns = phases; with exactly two phases a `change` column (green = better);
+    the caption names the goodput's SLO."""
     pair = len(summaries) == 2
-    table = Table(title=title, caption="change: the second phase against the first; ≈ within 3 %" if pair else None)
+    phases = list(summaries.values())
+    notes = [_slo(phases), "change: the second phase against the first, ≈ within 3 %" if pair else ""]
+    table = Table(title=title, caption="\n".join(n for n in notes if n) or None)
     table.add_column("metric")
     for phase in summaries:
         table.add_column(phase, justify="right")
     if pair:
         table.add_column("change", justify="right")
-    phases = list(summaries.values())
     for label, metric, fmt, better in ROWS:
         values = [metric(s) for s in phases]
         if all(v is None for v in values):
@@ -78,5 +82,5 @@ def summary_table(summaries: Mapping[str, Summary], title: str | None = None) ->
         cells = [fmt.format(v) if v is not None else "n/a" for v in values]
         if pair:
             cells.append(_change(values[0], values[1], better))
-        table.add_row(_label(label, phases), *cells)
+        table.add_row(label, *cells)
     return table
