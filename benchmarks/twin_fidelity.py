@@ -47,7 +47,7 @@ def live_run(a: argparse.Namespace, run_dir: Path) -> dict[str, dict]:
     if a.live:
         doc = json.loads(Path(a.live).read_text())
         return {r["router"]: r for w in doc["workloads"].values() for r in w["routers"]}
-    cmd = [sys.executable, "-m", "kvlab.cli", "compare", "--topology", a.topology, "--routers", a.routers,
+    cmd = [sys.executable, "-m", "kvlab.cli", "compare", "--topology", a.topology, "--policies", a.routers,
            "--users", str(a.users), "--duration", str(a.duration), "--seed", str(a.seed), "--run-dir", str(run_dir)]
     if a.engine:
         cmd += ["--engine", a.engine]

@@ -88,7 +88,7 @@ trace = nb.wait_trace(stack, sample.trace_id, (n.SPAN_CLIENT_REQUEST, n.SPAN_SCH
 if stack.jaeger:
     print(f"open in Jaeger: {stack.jaeger}/trace/{trace.trace_id}")
 else:
-    print(f"trace {trace.trace_id} — in a terminal: kvlab traces show {trace.trace_id[:12]} --run {run_dir}")
+    print(f"trace {trace.trace_id} — in a terminal: kvlab traces show {trace.trace_id[:12]} --run-dir {run_dir}")
 waterfall_figure(trace).show()
 
 # %% [markdown]

@@ -137,7 +137,7 @@ print(f"p50 of max(TTFT, worst gap): resumed {result['stall_ms_p50_in_flight']} 
 # (`stream`: the connection broke), the tokens the client already had, the replica that continued and
 # the prompt it had to prefill beyond its cached prefix. Below: the first resumed request's trace,
 # in words and as a waterfall (two `gateway.upstream` calls, the first cut short).
-# From a terminal: `kvlab traces explain --resumed --run <run dir>`.
+# From a terminal: `kvlab traces explain --resumed --run-dir <run dir>`.
 
 # %%
 trace = None
@@ -151,7 +151,7 @@ print(f"trace {trace.trace_id}")
 for line in explain.resumes(trace):
     print("  " + line)
 waterfall_figure(trace).show()
-print(f"kvlab traces explain --resumed --run {run}")
+print(f"kvlab traces explain --resumed --run-dir {run}")
 
 # %% [markdown]
 # ## 4. The replica comes back cold, and warms up
@@ -261,4 +261,4 @@ print(f"✓ 0 of {result['requests']} requests failed; {result['resumes']} resum
 # | requests failed | read the error in `runs/<id>/phase-*/requests.jsonl`; `kvlab traces explain --resumed` shows what the gateway did. A request that asked for `n > 1`, logprobs or `echo` cannot be resumed (docs/reliability.md, the limits). |
 # | b is not back (`down (s)` is None) | `runs/<id>/supervisor.log` says why it did not restart; the phase ended at `LIMIT_S`. |
 # | b's hit rate stays 0 | its KV events are not reaching the gateway (`/debug/endpoints`, `events.state`), or the phase ended too soon after the restart: raise `AFTER_RESTART`. |
-# | the trace did not arrive | traces are batched for ~5 s; `kvlab traces list --run runs/<id>` shows what did. |
+# | the trace did not arrive | traces are batched for ~5 s; `kvlab traces list --run-dir runs/<id>` shows what did. |

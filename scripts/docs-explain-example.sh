@@ -10,5 +10,5 @@ echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -
 echo "\$ kvlab lab --quick --run-dir $run"
 kvlab lab --quick --run-dir "$run" > "$run.log" 2>&1 || { cat "$run.log"; exit 1; }
 grep -E "TTFT p50|speed-up|×" "$run.log" | head -5 || true
-echo "\$ kvlab traces explain --run $run"
-kvlab traces explain --run "$run"
+echo "\$ kvlab traces explain --run-dir $run"
+kvlab traces explain --run-dir "$run"

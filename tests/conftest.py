@@ -216,7 +216,7 @@ def phase_result(name: str, records: list, summary=None, **kw):
 def stop_everything(runs: Path) -> list[str]:
     """Stop, by recorded pid, every stack under `runs` (stack.json: supervisor, processes; a notebook's
     own runs); returns the processes still alive after. For a kvlab command a test had to kill."""
-    from kvlab.process import runs_command, stop_recorded
+    from kvlab.process import still_running, stop_recorded
     from kvlab.stack.attached import recorded
     from kvlab.stack.base import read_info
 
@@ -232,7 +232,7 @@ def stop_everything(runs: Path) -> list[str]:
         entries += list(reversed(stack.processes))
     for e in entries:
         stop_recorded(e, grace_s=60 if e.name == "supervisor" else 10)
-    return [f"{e.name} {e.pid}" for e in entries if runs_command(e.pid, e.argv)]
+    return [f"{e.name} {e.pid}" for e in entries if still_running(e)]
 
 
 # ---- one `kvlab lab --quick` for the whole session ----------------------------------------------

@@ -60,7 +60,7 @@ def test_bench_imports_the_kind_path_only_for_cluster_targets():
 
 
 def test_bench_rejects_an_unknown_cluster_target(capsys, tmp_path):
-    assert bench_cli.main(["--target", "cluster:jaeger", "--out", str(tmp_path)]) == 1
+    assert bench_cli.main(["--target", "cluster:jaeger", "--run-dir", str(tmp_path)]) == 1
     assert "must be 'gateway' or 'baseline'" in capsys.readouterr().out
     assert not (tmp_path / "requests.jsonl").exists()
 

@@ -19,7 +19,7 @@ from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import replayed
 from kvlab.load.workloads import create
-from kvlab.process import runs_command
+from kvlab.process import still_running
 from kvlab.run.routers import commands, render, resolve
 from kvlab.stack.base import read_info
 
@@ -106,7 +106,7 @@ def compared(tmp_path_factory):
     require(has_vllm_router(), "vllm-router (pip install 'kvlab[peers]')")
     root = tmp_path_factory.mktemp("compare")
     (root / "t.yaml").write_text(TOPOLOGY)
-    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--routers",
+    result = kvlab("compare", "--topology", str(root / "t.yaml"), "--policies",
                    "kv-aware,vllm-router:cache_aware,vllm-router:kv_aware,mine",
                    "--router", MINE, "--duration", "6", "--users", "4", "--run-dir", str(root / "run"), cwd=root)
     return result, root / "run"
@@ -182,12 +182,12 @@ def test_compare_writes_the_html_report_and_stops_every_router(compared):
     assert stack is not None and stack.status == "stopped"
     logs = sorted(p.name for p in (run / "logs").iterdir())
     assert "router-vllm-router-cache_aware.log" in logs and "router-mine.log" in logs
-    assert not any(runs_command(p.pid, p.argv) for p in stack.processes)
+    assert not any(still_running(p) for p in stack.processes)
 
 
 @pytest.mark.processes
 def test_compare_rejects_a_bad_router_before_starting_anything(tmp_path):
-    result = kvlab("compare", "--routers", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
+    result = kvlab("compare", "--policies", "kv-aware,vllm-router:best", cwd=tmp_path, timeout=60)
     assert result.returncode == 1
     assert "kvlab compare: unknown vllm-router policy 'best'" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()

@@ -67,10 +67,10 @@ def test_dry_run_names_every_router_and_its_url_and_needs_no_cluster(no_cluster,
 @pytest.mark.parametrize(("flags", "message"), [
     (["--engine", "vllm"], "deployed; --engine: only for a local compare"),
     (["--replicas", "3"], "deployed; --replicas: only for a local compare"),
-    (["--router", "mine=my-router --port {port}", "--routers", "mine"], "deployed; --router: only for a local"),
-    (["--routers", "baseline,vllm-router:cache_aware"], "vllm-router:cache_aware: kvlab starts peers as local "
+    (["--router", "mine=my-router --port {port}", "--policies", "mine"], "deployed; --router: only for a local"),
+    (["--policies", "baseline,vllm-router:cache_aware"], "vllm-router:cache_aware: kvlab starts peers as local "
                                                         "processes, which cannot reach the cluster's pod IPs"),
-    (["--routers", "baseline,prefix"], "--cluster --routers: 'prefix' is not deployed"),
+    (["--policies", "baseline,prefix"], "--cluster --policies: 'prefix' is not deployed"),
 ])
 def test_local_only_flags_are_config_errors_with_cluster(no_cluster, capsys, flags, message):
     assert command.main(["--cluster", "--topology", str(no_cluster / "t.yaml"), *flags]) == 1

@@ -23,12 +23,12 @@ COMMITTED = ROOT / "dashboards"
 
 
 def test_committed_files_equal_generated(tmp_path: Path):
-    assert dashboards.main(["--out", str(COMMITTED), "--check"]) == 0, "run `kvlab dashboards` and commit"
+    assert dashboards.main(["--dashboards-dir", str(COMMITTED), "--check"]) == 0, "run `kvlab dashboards` and commit"
     copy_dir = tmp_path / "dashboards"
     shutil.copytree(COMMITTED, copy_dir)
     path = copy_dir / "routing.json"
     path.write_text(path.read_text().replace("kvlab_gateway_decisions_total", "kvlab_gateway_decision_total"))
-    assert dashboards.main(["--out", str(copy_dir), "--check"]) == 1
+    assert dashboards.main(["--dashboards-dir", str(copy_dir), "--check"]) == 1
     assert set(render()) == {str(p.relative_to(COMMITTED)) for p in COMMITTED.rglob("*") if p.is_file()}
 
 

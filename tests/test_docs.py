@@ -171,7 +171,7 @@ def test_every_documented_command_uses_options_its_help_lists() -> None:
 @pytest.mark.processes
 def test_the_check_catches_a_flag_help_does_not_list() -> None:
     assert problems_in(["lab", "--quick", "--users", "4"]) == []
-    assert problems_in(["traces", "explain", "<id>", "--run", "runs/latest"]) == []
+    assert problems_in(["traces", "explain", "<id>", "--run-dir", "runs/latest"]) == []
     assert problems_in(["lab", "--quikc"]), "a misspelt flag must be reported"
     assert problems_in(["traces", "explian"]), "a misspelt sub-command must be reported"
     assert problems_in(["labs"]), "an unknown command must be reported"

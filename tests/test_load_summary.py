@@ -62,3 +62,29 @@ def test_table_shows_the_change_in_the_right_direction():
     assert "10.0× lower" in text
     line = next(ln for ln in text.splitlines() if "hit rate delivered" in ln)
     assert "0%" in line and "90%" in line and "new" in line
+
+
+def test_a_closed_loop_table_has_no_open_loop_rows_and_small_changes_read_as_such():
+    from kvlab.load.summary import Goodput, Slo
+
+    before = summarize([rec(i, ttft=600.0, cached=0) for i in range(10)])
+    after = summarize([rec(i, ttft=610.0 if i < 9 else 400.0, cached=0) for i in range(10)])
+    slo = Slo(ttft_ms=1500, tpot_ms=150)
+    before.goodput, after.goodput = Goodput(slo=slo, met=5, rps=1.0), Goodput(slo=slo, met=8, rps=1.5)
+    console = Console(width=160, record=True)
+    console.print(summary_table({"a": before, "b": after}))
+    text = console.export_text()
+    assert "offered" not in text and "sends late" not in text and "unfinished" not in text
+    assert "goodput: requests with TTFT ≤ 1500 ms and TPOT ≤ 150 ms" in text   # the caption names the SLO
+    row = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.count("│") >= 4}
+    assert row["TTFT p50 (ms)"].rstrip(" │").endswith("≈")              # 600 → 610: within 3 %
+    assert "50% higher" in row["goodput (req/s, SLO met)"] and row["errors"].rstrip(" │").endswith("=")
+    assert "1.0×" not in text
+
+
+def test_the_doctor_line_names_a_dtype_only_for_vllm():
+    from kvlab.doctor import diagnose, one_line
+
+    report = diagnose()
+    assert "dtype" not in one_line(report, "sim") and "sim engine" in one_line(report, "sim")
+    assert ("dtype" in one_line(report, "vllm")) == report.parts["vllm"].installed

@@ -29,7 +29,7 @@ GPU_TOPOLOGIES = sorted((ROOT / "labs" / "topologies").glob("gpu-*.yaml"))
 
 def _render(topology: Path, out: Path, *phases: str) -> dict[str, list[dict]]:
     subprocess.run([sys.executable, "-m", "kvlab.cli", "cluster", "render", *phases, "--gpu",
-                    "--topology", str(topology), "--out", str(out)], check=True, capture_output=True, text=True)
+                    "--topology", str(topology), "--manifests-dir", str(out)], check=True, capture_output=True, text=True)
     return {p.stem: list(yaml.safe_load_all(p.read_text())) for p in sorted(out.glob("*.yaml"))}
 
 
@@ -126,9 +126,9 @@ def test_impossible_sharing_is_a_config_error(settings, replicas):
         Topology(pools=[Pool(replicas=replicas)], gpu=GpuSettings(**settings))
 
 
-def test_render_needs_out(capsys):
+def test_render_needs_manifests_dir(capsys):
     assert cli.main(["render", "--gpu", "--topology", "gpu-1"]) == 1
-    assert "--out" in capsys.readouterr().err
+    assert "--manifests-dir" in capsys.readouterr().err
 
 
 def test_data_parallel_gpu_pods_serve_a_port_per_rank_as_discovery_expects():
@@ -202,7 +202,7 @@ def test_gpu_render_of_every_shipped_topology_caps_the_kv_cache_or_refuses(path,
     from kvlab.stack.kind import objects as o
 
     topology = load_topology(path)
-    args = cli._parser().parse_args(["render", "baseline", "--gpu", "--topology", str(path), "--out", "unused"])
+    args = cli._parser().parse_args(["render", "baseline", "--gpu", "--topology", str(path), "--manifests-dir", "unused"])
     if topology.gpu.num_blocks is None:
         with pytest.raises(KvlabError, match=re.escape("--topology gpu-1|gpu-2|gpu-4")):
             cli.topology_for(args)
@@ -218,7 +218,7 @@ def test_gpu_render_of_every_shipped_topology_caps_the_kv_cache_or_refuses(path,
     assert len(containers) <= slots, f"{len(containers)} GPU containers, {slots} slots on {topology.gpu.gpus} GPUs"
 
 
-@pytest.mark.parametrize("argv", [["render", "baseline", "--gpu", "--out", "x"],
+@pytest.mark.parametrize("argv", [["render", "baseline", "--gpu", "--manifests-dir", "x"],
                                   ["deploy", "--gpu", "--dry-run"], ["create", "--gpu", "--dry-run"]])
 def test_gpu_without_topology_refuses_where_nothing_is_touched(argv, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "host_gpus", lambda: pytest.fail("render/--dry-run must not probe the host"))

@@ -167,7 +167,7 @@ def test_one_trace_id_from_client_to_replica(lab):
 def test_traces_explain_on_the_run(lab, tmp_path: Path):
     run, _, _ = lab
     html = tmp_path / "explain.html"
-    out = subprocess.run([sys.executable, "-m", "kvlab.cli", "traces", "explain", "--run", str(run), "--html", str(html)],
+    out = subprocess.run([sys.executable, "-m", "kvlab.cli", "traces", "explain", "--run-dir", str(run), "--html", str(html)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout

@@ -54,7 +54,7 @@ def test_no_request_fails_while_a_replica_is_killed_and_restarted(run):
 
 @pytest.mark.slow
 def test_traces_explain_finds_the_resumed_request(run):
-    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "traces", "explain", "--resumed", "--run", str(run)],
+    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "traces", "explain", "--resumed", "--run-dir", str(run)],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "resume 1: b failed" in proc.stdout

@@ -339,3 +339,44 @@ def test_traces_explain_says_the_resume_in_words():
     early = SpanEvent(names.EVENT_RESUME, 2, {**ev.attributes, names.RESUME_TOKENS_SENT: 0})
     (line,) = resumes(Trace("a" * 32, [dataclasses.replace(span, events=(early,))]))
     assert "before any token reached the client; sim-1 served it from the start" in line and "continued" not in line
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_chunked_generation_whose_replica_dies_continues_on_another(chat, exporter):
+    """Chunks of 4 tokens; the first replica dies 3 tokens into its first chunk: the next chunks run on
+    another replica from what the client had, and the client still sees one stream of 10 tokens."""
+    from kvlab.gateway.chunked.settings import ChunkedSettings
+
+    async def go():
+        h = harness(Deaths(1, after=3))
+        h.cfg_over = {"chunked": ChunkedSettings(chunk_tokens=4)}
+        async with h:
+            exporter.clear()
+            req = {"model": "m", "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+            req |= ({"messages": [{"role": "user", "content": "tell me a story"}]} if chat
+                    else {"prompt": "once upon a time"})
+            st, hdr, body = await h.post("/v1/chat/completions" if chat else "/v1/completions", req)
+            assert st == 200, body
+            evs = events(body)
+            check_one_stream(evs, chat)
+            [first] = [r for r in served(h) if r.name == hdr[names.HEADER_ROUTED_TO]]
+            [second] = [r for r in served(h) if r is not first]
+            lost = first.sent[0]
+            assert lost.count(":") == 3 and len(first.requests) == 1
+            # the second replica continued chunk by chunk: 4 then 3 tokens, each from the text so far
+            assert [b["max_tokens"] for b in second.requests] == [4, 3]
+            resumed = second.requests[0]
+            if chat:
+                assert resumed["messages"][-1] == {"role": "assistant", "content": lost}
+            else:
+                assert resumed["prompt"] == "once upon a time" + lost
+            assert streamed_text(evs) == lost + "".join(second.sent)
+            assert len(streamed_text(evs).split()) == 10
+            [usage] = [e["usage"] for e in evs if isinstance(e, dict) and e.get("usage")]
+            original = (len(_TOK.encode_chat(req["messages"])[0]) if chat else len(_TOK.encode_text(req["prompt"])[0]))
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (original, 10)
+            assert await metric(h, names.KVLAB_RESUMES + '_total{reason="stream"}') == 1
+            spans = [s for s in exporter.get_finished_spans() if s.kind.name == "SERVER"]
+            [ev] = [e for s in spans for e in s.events if e.name == names.EVENT_RESUME]
+            assert ev.attributes[names.RESUME_FROM] == first.name and ev.attributes[names.REPLICA] == second.name
+    run(go())

@@ -136,20 +136,20 @@ def test_figures(run_dir: Path, tmp_path: Path):
 
 
 def test_cli_on_a_run(run_dir: Path, capsys, tmp_path: Path):
-    assert cli.main(["list", "--run", str(run_dir)]) == 0
+    assert cli.main(["list", "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "kv-aware" in out and "round-robin" in out and "50.0" in out
-    assert cli.main(["explain", "--run", str(run_dir), "--html", str(tmp_path / "x.html")]) == 0
+    assert cli.main(["explain", "--run-dir", str(run_dir), "--html", str(tmp_path / "x.html")]) == 0
     out = capsys.readouterr().out
     for text in ("★ sim-1", "sim-0", "sim-2", "prefix ×3", "available (any replica)    96 (75%)",
                  "predicted (chosen replica) 96 (75%)", "delivered (engine reused)  80 (62%)", "client TTFT                50.0 ms"):
         assert text in out
     assert (tmp_path / "x.html").stat().st_size > 100_000
     tid = OtlpFileSource(run_dir / "traces").traces()[0].trace_id
-    assert cli.main(["show", tid[:10], "--run", str(run_dir)]) == 0
+    assert cli.main(["show", tid[:10], "--run-dir", str(run_dir)]) == 0
     assert n.SPAN_ENGINE_PREFILL in capsys.readouterr().out
-    assert cli.main(["show", "ffff", "--run", str(run_dir)]) == 1
-    assert cli.main(["list", "--run", str(tmp_path / "nowhere")]) == 1
+    assert cli.main(["show", "ffff", "--run-dir", str(run_dir)]) == 1
+    assert cli.main(["list", "--run-dir", str(tmp_path / "nowhere")]) == 1
 
 
 # ---- Jaeger -----------------------------------------------------------------------------------

@@ -27,9 +27,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "twin": ("kvlab.twin.cli", "the cluster twin: kvlab's router on 1-128 simulated replicas in virtual time"),
     "plan": ("kvlab.plan.cli", "how many replicas (GPUs) each routing policy needs to meet an SLO, from the twin"),
     "calibrate": ("kvlab.calibration.cli", "fit a simulator profile to this machine's real vLLM (`--profile local`)"),
+    "report": ("kvlab.report.saved", "render a run's report.html (and compare.html) again from its saved files"),
     "traces": ("kvlab.traces.cli", "list, show and explain traces of a run"),
     "dashboards": ("kvlab.dashboards", "write the Grafana dashboards to dashboards/"),
-    "cluster": ("kvlab.stack.kind", "the kind cluster path: create, deploy, status, forward"),
+    "cluster": ("kvlab.stack.kind",
+                "the kind cluster path: create, deploy, render, preflight, status, forward, delete"),
 }
 
 

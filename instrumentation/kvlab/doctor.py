@@ -211,18 +211,24 @@ def diagnose(isa: Isa | None = None, cpuinfo: Path = CPUINFO, meminfo: Path = ME
                   parts=parts, choices=choices, advice=advise(isa, cores, memory, parts))
 
 
-def one_line(r: Report) -> str:
-    """The preflight's summary line."""
-    vllm = f"vLLM {r.parts['vllm'].version}" if r.parts["vllm"].installed else "no vLLM"
+def one_line(r: Report, engine: str) -> str:
+    """The preflight's summary line; the dtype only where a vLLM engine will use it."""
+    if engine != "vllm":
+        engine_part = f"{engine} engine" + (f" (vLLM {r.parts['vllm'].version} installed)"
+                                            if r.parts["vllm"].installed else "")
+    elif r.parts["vllm"].installed:
+        engine_part = f"vLLM {r.parts['vllm'].version} → dtype {r.choices.dtype}"
+    else:
+        engine_part = "no vLLM"
     return (f"doctor: {r.cpu.isa.level} ({r.cpu.isa.source}) · {r.cpu.cores} cores · "
-            f"{r.memory.available_gib} GiB free · {vllm} → dtype {r.choices.dtype}")
+            f"{r.memory.available_gib} GiB free · {engine_part}")
 
 
 def preflight(console: Console, engine: str) -> Report:
     """Run by `kvlab lab`/`kvlab up`: print the summary and what needs attention for this engine;
     a missing vLLM under `--engine vllm` is an error (it would fail a minute later, less clearly)."""
     report = diagnose()
-    console.print(one_line(report), style="dim", markup=False)
+    console.print(one_line(report, engine), style="dim", markup=False)
     if engine == "vllm":
         if not report.parts["vllm"].installed:
             raise ConfigError("--engine vllm: vLLM is not installed in this venv: run `make vllm` (docs/vllm.md)")

@@ -56,8 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float,
                    help=f"seconds per phase (default {LAB.duration_s:.0f}, quick {LAB_QUICK.duration_s:.0f})")
     p.add_argument("--users", type=int,
-                   help=f"concurrent Locust users (default {LAB.users}, quick {LAB_QUICK.users})")
-    p.add_argument("--seed", type=int, default=0)
+                   help=f"concurrent Locust users (default {LAB.users}: enough to queue at the quickstart's two "
+                        f"replicas; "
+                        f"quick {LAB_QUICK.users}, as compare)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and arrivals (default 0)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated routers, one phase each: gateway presets or peers such as "
                         "vllm-router:cache_aware (docs/compare.md)")

@@ -2,10 +2,13 @@
 Locust, peers, the supervisor): `Child.start` is the one place a process is started, with its
 argv, environment and log file, and `Child.stop` the one way it is stopped, by its pid.
 
-A child runs in its own session with a log file by default. Stopping signals the child's process
-group (it leads one, so helpers it spawned go too): SIGTERM, then SIGKILL after a grace period.
-`stop_recorded` stops a process known only from stack.json, after checking that the pid still
-runs the recorded command (pids get reused).
+A child runs in its own session with a log file by default, and gets SIGTERM from the kernel when
+the kvlab process that started it dies, even by SIGKILL (Linux; only `kvlab up`'s supervisor is
+started to outlive its starter). Stopping signals the child's process group (it leads one, so helpers
+it spawned go too): SIGTERM, then SIGKILL after a grace period.
+`stop_recorded` stops a process known only from stack.json, after checking that the pid is still
+the recorded process (pids get reused): same start time, or for older records the same command
+line (a child may rename itself, as vllm-router does, so the start time is what is kept).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,25 +60,45 @@ def _signal_group(pid: int, sig: int) -> None:
             pass
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the parent dies, even by SIGKILL (Linux), so a
-    killed parent (the vLLM launcher) never leaves its servers behind."""
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the child runs before exec so the kernel SIGTERMs it when its parent dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG); None where that cannot hold. The kernel ties it to the starting thread,
+    so only a child started from the main thread (which lasts as long as the process) gets it;
+    prctl is looked up here so the forked child only makes the call."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22); None if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def own_record(name: str, log: str = "") -> ProcessRecord:
+    """This process as stack.json records one."""
+    argv = [c.decode(errors="replace") for c in Path("/proc/self/cmdline").read_bytes().split(b"\0") if c]
+    return ProcessRecord(name=name, pid=os.getpid(), argv=argv, log=log, started=start_time(os.getpid()))
 
 
 class ProcessRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A started process as stack.json (and a notebook's processes file) records it: enough to stop
-    it later by pid, once `runs_command` has checked the pid still runs `argv`."""
+    it later by pid, once `still_running` has checked the pid is still that process."""
 
     name: str
     pid: int
     argv: list[str]
     log: str = ""
+    started: int | None = None   # `start_time` of pid (None in records of older versions)
 
 
 class Child:
@@ -87,17 +112,18 @@ class Child:
 
     @classmethod
     def start(cls, name: str, argv: list[str], log: Path | None, env: dict[str, str] | None = None, *,
-              session: bool = True, die_with_parent: bool = False) -> Child:
+              session: bool = True, die_with_parent: bool = True) -> Child:
         """Start `argv` with `env` (None: this process's), stdout and stderr appended to `log` (None:
         this process's stderr), stdin closed; in a session of its own unless `session` is False (a
         child that should get the terminal's Ctrl-C with its parent). `die_with_parent`: on Linux the
-        kernel kills it when the starting process dies (only from a process that runs no threads)."""
+        kernel SIGTERMs it when the starting process dies (started from the main thread); False only
+        for a process meant to outlive this one (`kvlab up`'s supervisor)."""
         fh: IO[bytes] | None = None
         if log is not None:
             log.parent.mkdir(parents=True, exist_ok=True)
             fh = open(log, "ab")  # noqa: SIM115 (closed below; the child keeps its own descriptor)
         try:
-            pdeathsig = _die_with_parent if die_with_parent and sys.platform == "linux" else None
+            pdeathsig = _die_with_parent() if die_with_parent else None
             proc = subprocess.Popen([str(a) for a in argv], stdout=fh or sys.stderr, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=session,
                                     preexec_fn=pdeathsig)  # noqa: PLW1509
@@ -118,7 +144,8 @@ class Child:
         return _alive(self.pid)
 
     def describe(self) -> ProcessRecord:
-        return ProcessRecord(name=self.name, pid=self.pid, argv=self.argv, log=str(self.log))
+        return ProcessRecord(name=self.name, pid=self.pid, argv=self.argv, log=str(self.log),
+                             started=start_time(self.pid))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL after `grace_s`; waits until it is gone."""
@@ -177,9 +204,16 @@ def runs_command(pid: int, argv: list[str]) -> bool:
     return _alive(pid) and [c.decode(errors="replace") for c in cmdline if c] == [str(a) for a in argv]
 
 
+def still_running(entry: ProcessRecord) -> bool:
+    """The recorded process still runs: its pid alive with the recorded start time (or command line)."""
+    if entry.started is not None:
+        return _alive(entry.pid) and start_time(entry.pid) == entry.started
+    return runs_command(entry.pid, entry.argv)
+
+
 def stop_recorded(entry: ProcessRecord, grace_s: float = 10.0) -> bool:
-    """Stop a process recorded in stack.json if it still runs its command; True if it was stopped."""
-    if not runs_command(entry.pid, entry.argv):
+    """Stop a process recorded in stack.json if it still runs; True if it was stopped."""
+    if not still_running(entry):
         return False
     Child(entry.name, entry.argv, Path(entry.log), pid=entry.pid).stop(grace_s)
     return True

@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the tiny model's dtype (auto: as `kvlab doctor` chooses)")
     p.add_argument("--cpus", default="0", help="CPU set of the vLLM replica (kvlab engine vllm --cpus)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the measured prompts (default 0)")
     p.add_argument("--run-dir", help="where to write results (default: a new runs/<id>-calibrate)")
     return p
 

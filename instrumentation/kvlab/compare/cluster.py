@@ -43,7 +43,7 @@ def cluster_routers(names: list[str], topology: Topology) -> list[tuple[Router, 
     if peers:
         raise ConfigError(f"--cluster: {', '.join(peers)}: kvlab starts peers as local processes, which cannot "
                           f"reach the cluster's pod IPs; its routers are {default_routers(topology)}")
-    phases = lab_plan(unique(names), topology, flag="--routers")
+    phases = lab_plan(unique(names), topology, flag="--policies")
     return [(Router(name, policy=p.policy, entry=p.target), p) for name, p in zip(names, phases, strict=True)]
 
 

@@ -34,24 +34,26 @@ from kvlab.load.workloads.trace import NAMED as TRACE_NAMES
 from kvlab.run.command import guarded
 from kvlab.run.document import ClusterRun, Machine, RunDocument, Section, write_run
 from kvlab.run.phases import Display, Phase, PhaseResult, RichDisplay, run_phases
-from kvlab.run.presets import COMPARE
+from kvlab.run.presets import COMPARE, LAB
 from kvlab.run.routers import RoutedStack, Router, capacity, commands, local_routers, resolve
 from kvlab.tokenizer import Tokenizer
 from kvlab.topology import Topology
+from kvlab.vocabulary import old_spelling
 
 DEFAULT_ROUTERS = "round-robin,prefix,kv-aware,vllm-router:cache_aware,vllm-router:kv_aware"
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab compare", description=__doc__.splitlines()[0])
-    p.add_argument("--routers",
+    p.add_argument("--policies",
                    help="comma-separated routers: kvlab presets, vllm-router:<policy>, or names given with --router "
                         f"(default {DEFAULT_ROUTERS}); with --cluster: baseline, gateway-api, llm-d and the "
                         "deployed gateway's policy (default: all four)")
+    old_spelling(p, "--routers", "--policies")
     p.add_argument("--router", action="append", default=[], metavar="NAME=COMMAND",
                    help="another router to start, as a command template: {port} (required), {host}, "
                         "{metrics_port}, {model}, {block_size}; a word with {url}, {kv_events} or {replica} is "
-                        "repeated per replica (docs/compare.md). Name it in --routers too. Not with --cluster.")
+                        "repeated per replica (docs/compare.md). Name it in --policies too. Not with --cluster.")
     p.add_argument("--engine", choices=["sim", "vllm"],
                    help="override the topology's engine (quickstart: sim). Not with --cluster.")
     p.add_argument("--topology", help="labs/topologies name or YAML file (default: quickstart; vllm with --engine "
@@ -63,8 +65,9 @@ def parser() -> argparse.ArgumentParser:
                         + ", ".join(NAMES))
     p.add_argument("--workload-params", default="{}", help="JSON object of workload parameters (one workload only)")
     p.add_argument("--duration", type=float, help=f"seconds per router (default {COMPARE.duration_s:.0f})")
-    p.add_argument("--users", type=int, help=f"concurrent Locust users (default {COMPARE.users})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--users", type=int, help=f"concurrent Locust users per router (default {COMPARE.users}: "
+                                             f"five routers run in a row; `kvlab lab` sends {LAB.users})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and arrivals (default 0)")
     p.add_argument("--min-requests", type=int, default=0,
                    help="a router also runs until this many requests completed (0: duration only)")
     p.add_argument("--phase-limit", type=float, help="seconds a router may take to reach --min-requests")
@@ -140,7 +143,7 @@ def measure(stack: RoutedStack, topology: Topology, spec: BenchSpec, routers: li
 def _names(text: str) -> list[str]:
     names = [r.strip() for r in text.split(",") if r.strip()]
     if not names:
-        raise ConfigError("--routers names no router")
+        raise ConfigError("--policies names no router")
     return names
 
 
@@ -157,13 +160,13 @@ def run_compare(argv: list[str], console: Console) -> Path | None:
         raise ConfigError(f"topology {topology.name}: compare needs one pool of whole-request replicas")
     specs = _specs(args, topology)
     if args.cluster:
-        planned = cluster_routers(_names(args.routers or default_routers(topology)), topology)
+        planned = cluster_routers(_names(args.policies or default_routers(topology)), topology)
         if args.dry_run:
             print_plan(planned, topology, specs, args, console.file)
             return None
         routers = [r for r, _ in planned]
     else:
-        routers = resolve(_names(args.routers or DEFAULT_ROUTERS), commands(args.router))
+        routers = resolve(_names(args.policies or DEFAULT_ROUTERS), commands(args.router))
     doctor = None if args.cluster else preflight(console, topology.engine)
     run_dir = _run_dir(args, "compare")
     console.rule(f"[bold]kvlab compare[/bold] {run_dir.name}")

@@ -1,4 +1,4 @@
-"""Grafana dashboards as code (grafana-foundation-sdk): `kvlab dashboards [--out DIR] [--check]`.
+"""Grafana dashboards as code (grafana-foundation-sdk): `kvlab dashboards [--dashboards-dir DIR] [--check]`.
 
 Writes dashboards/*.json ("Before / after", "Routing", "Replicas", "P/D and data parallel"), the
 Grafana provisioning files under dashboards/provisioning/ and the Prometheus rules under
@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kvlab.vocabulary import old_spelling
+
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "dashboards"
 
 
@@ -22,8 +24,11 @@ def main(argv: list[str]) -> int:
     from kvlab.dashboards.schema import validate
 
     parser = argparse.ArgumentParser(prog="kvlab dashboards", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--check", action="store_true", help="compare with the files in --out, write nothing")
+    parser.add_argument("--dashboards-dir", type=Path, default=DEFAULT_OUT,
+                        help=f"where the dashboards' JSON files go (default {DEFAULT_OUT})")
+    old_spelling(parser, "--out", "--dashboards-dir", type=Path)
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the files in --dashboards-dir, write nothing")
     parser.add_argument("--verify", metavar="PROMETHEUS_URL", help="evaluate every panel query there")
     parser.add_argument("--since", type=float, default=900, help="seconds back from now for --verify")
     args = parser.parse_args(argv)
@@ -35,12 +40,12 @@ def main(argv: list[str]) -> int:
             validate(json.loads(text))
     if args.check:
         stale = [name for name, text in files.items()
-                 if not (args.out / name).is_file() or (args.out / name).read_text() != text]
+                 if not (args.dashboards_dir / name).is_file() or (args.dashboards_dir / name).read_text() != text]
         for name in stale:
-            print(f"out of date: {args.out / name} (run `kvlab dashboards`)")
+            print(f"out of date: {args.dashboards_dir / name} (run `kvlab dashboards`)")
         return 1 if stale else 0
     for name, text in files.items():
-        path = args.out / name
+        path = args.dashboards_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""`kvlab model tiny --out DIR`: a tiny Llama-architecture model for real vLLM on CPU.
+"""`kvlab model tiny --model-dir DIR`: a tiny Llama-architecture model for real vLLM on CPU.
 
 No model can be downloaded here, so kvlab builds one: random weights (seeded, so the same flags
 give the same files), kvlab's own tokenizer (or `--tokenizer DIR`) saved in by transformers, its chat
@@ -29,6 +29,7 @@ import msgspec
 
 from kvlab import tokenizer as kvtok
 from kvlab.doctor import DTYPES, choose_dtype, detect_isa
+from kvlab.vocabulary import old_spelling
 
 
 class TinySpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,17 +132,21 @@ def ensure_tiny(out: str | Path, spec: TinySpec = TinySpec(), tokenizer_dir: str
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvlab model", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
-    t = sub.add_parser("tiny", help="build the tiny random-weight Llama model into --out")
-    t.add_argument("--out", required=True, help="directory to write (created)")
+    t = sub.add_parser("tiny", help="build the tiny random-weight Llama model into --model-dir")
+    t.add_argument("--model-dir", help="directory to write (created; required)")
+    old_spelling(t, "--out", "--model-dir")
     flags = {"hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size", "num_layers": "--layers",
              "num_heads": "--heads", "num_kv_heads": "--kv-heads",
              "max_position_embeddings": "--max-position-embeddings", "seed": "--seed"}
     for field, flag in flags.items():
-        t.add_argument(flag, dest=field, type=int, help="default: the dtype's shape (docs/vllm.md)")
+        t.add_argument(flag, dest=field, type=int, help="seed of the random weights (default 0)" if field == "seed"
+                       else "default: the dtype's shape (docs/vllm.md)")
     t.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 with AVX512-BF16/AMX, else float32 (`kvlab doctor`)")
     t.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: kvlab's own)")
     a = p.parse_args(argv)
+    if a.model_dir is None:
+        p.error("tiny: --model-dir DIR is required")
     spec = tiny_spec(a.dtype, **{f: getattr(a, f) for f in flags if getattr(a, f) is not None})
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
@@ -149,6 +154,6 @@ def main(argv: list[str]) -> int:
         print("kvlab model: needs torch and transformers: `make vllm` (see docs/vllm.md)", file=sys.stderr)
         return 1
     start = time.perf_counter()
-    out = build_tiny(a.out, spec, a.tokenizer)
+    out = build_tiny(a.model_dir, spec, a.tokenizer)
     print(f"tiny model ({spec.dtype}) written to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

@@ -240,8 +240,7 @@ class Launcher:
     def start(self) -> None:
         for s in self.specs:
             log = self.log_dir / f"{s.name}.log" if self.log_dir else None
-            # die_with_parent (PR_SET_PDEATHSIG) is safe here: the launcher process runs no threads
-            self.running.append(Running(s, Child.start(s.name, s.argv, log, s.env, die_with_parent=True).popen, log))
+            self.running.append(Running(s, Child.start(s.name, s.argv, log, s.env).popen, log))   # die with it
 
     def url(self, s: ReplicaSpec) -> str:
         return f"http://{self.host}:{s.port}"

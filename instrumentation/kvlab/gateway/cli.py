@@ -26,8 +26,8 @@ log = logging.getLogger("kvlab.gateway")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab gateway", description="The instrumented KV-aware gateway.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True, help="port to listen on")
     p.add_argument("--endpoints", default="", help="[NAME=]URL[,...] of the replicas")
     p.add_argument("--kv-events", default="", help="NAME_OR_URL=tcp://HOST:PORT[,...]")
     p.add_argument("--endpoints-file", help="the engines' ready JSON ({'replicas': [Endpoint...]})")
@@ -42,11 +42,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write {'url', 'policy', 'pid'} here once listening")
     p.add_argument("--discovery", choices=("static", "kubernetes", "file"), default="static",
                    help="file: watch --endpoints-file for changes (the local stack rewrites it when it scales)")
-    p.add_argument("--namespace", default="default")
-    p.add_argument("--selector", default="app.kubernetes.io/component=replica")
-    p.add_argument("--replica-port", type=int, default=8000)
+    p.add_argument("--namespace", default="default", help="--discovery kubernetes: the replicas' namespace")
+    p.add_argument("--selector", default="app.kubernetes.io/component=replica",
+                   help="--discovery kubernetes: the replica pods' label selector")
+    p.add_argument("--replica-port", type=int, default=8000, help="--discovery kubernetes: the replicas' HTTP port")
     p.add_argument("--replica-kv-events-port", type=int, default=5557, help="0: replicas publish no events")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     return p
 
 

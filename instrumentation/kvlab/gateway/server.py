@@ -444,8 +444,29 @@ class Gateway:
         def usage(u: dict[str, Any]) -> None:
             ex.record_usage(msgspec.convert(u, Usage), self.metrics.prefix_tokens)
 
+        lost: set[str] = set()
+
+        def reroute(failed: Backend, error: str) -> Backend | None:
+            """Another replica for the rest of the generation (the resume event and counter as for streams)."""
+            nonlocal cand, lease
+            lost.add(failed.name)
+            try:
+                routed = self._schedule(ex.tokens, None, frozenset(lost))
+            except NoEndpointAvailable:
+                return None
+            new = routed.decision.ranked[0]
+            ex.span.add_event(names.EVENT_RESUME, {names.RESUME_REASON: "stream", names.RESUME_FROM: failed.name,
+                                                   names.REPLICA: new.name, names.UPSTREAM_ERROR: error})
+            self.metrics.resumes.labels("stream").inc()
+            lease.release()
+            ex.routed, cand = routed, new
+            ex.serve(new)
+            lease = self.upstream.lease(new.replica, ex.work(new))
+            return new.replica
+
         try:
-            resp = await self.chunked.serve(request, ex, self.upstream, first_token, usage)
+            resp = await self.chunked.serve(request, ex, self.upstream, first_token, usage, reroute,
+                                            self.cfg.limits.max_resumes)
         finally:
             lease.release()
         self.metrics.requests.labels(cand.name, self.policy, str(resp.status)).inc()

@@ -20,8 +20,10 @@ from kvlab.load.spec import BenchSpec
 from kvlab.load.summary import LATE_MS
 from kvlab.load.table import summary_table
 from kvlab.load.workloads import NAMES
+from kvlab.run.presets import LAB
 from kvlab.stack.base import read_info
 from kvlab.stack.state import runs_dir
+from kvlab.vocabulary import old_spelling
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,14 +33,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default="kind-kvlab", help="kube context of a cluster: target")
     p.add_argument("--namespace", default="kvlab", help="namespace of a cluster: target")
     p.add_argument("--workload", choices=NAMES, help="default shared-prefix")
-    p.add_argument("--params", default="{}", help='workload parameters as JSON, e.g. \'{"groups": 16}\'')
-    p.add_argument("--users", type=int, help="closed-loop users (default 16; not with --rate)")
+    p.add_argument("--workload-params", default="{}", help='workload parameters as JSON, e.g. \'{"groups": 16}\'')
+    old_spelling(p, "--params", "--workload-params")
+    p.add_argument("--users", type=int, help=f"closed-loop users (default {LAB.users}, the lab's; not with --rate)")
     p.add_argument("--spawn-rate", type=float, help="users started per second (default: all at once)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and arrivals (default 0)")
     p.add_argument("--model", default=None, help="served model name (default: the stack's, else kvlab-tiny)")
     p.add_argument("--phase", default="bench", help="label for the records")
-    p.add_argument("--out", help="output directory (default: runs/latest/bench-<time>, else runs/bench-<time>)")
+    p.add_argument("--run-dir", help="where to write (default: runs/latest/bench-<time>, else runs/bench-<time>)")
+    old_spelling(p, "--out", "--run-dir")
     options.add_arguments(p, sweep=False)
     return p
 
@@ -55,8 +59,9 @@ def resolve_target(target: str, context: str | None, namespace: str) -> str:
 def _spec(args: argparse.Namespace, model: str) -> BenchSpec:
     """The bench spec of the command line, every option checked (before anything starts)."""
     options.check(args)
-    workload, params = options.trace_workload(args) or (args.workload or "shared-prefix", json.loads(args.params))
-    spec = BenchSpec(workload=workload, params=params, users=args.users or 16, spawn_rate=args.spawn_rate,
+    workload, params = (options.trace_workload(args)
+                        or (args.workload or "shared-prefix", json.loads(args.workload_params)))
+    spec = BenchSpec(workload=workload, params=params, users=args.users or LAB.users, spawn_rate=args.spawn_rate,
                      duration_s=args.duration, seed=args.seed, model=model)
     return options.specs(args, spec)[0]
 
@@ -90,7 +95,7 @@ def main(argv: list[str]) -> int:
         return 1
     model = args.model or (stack.topology.model if stack and stack.topology else None) or "kvlab-tiny"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else (Path(stack.run_dir) if stack else runs_dir()) / f"bench-{stamp}"
+    out = Path(args.run_dir) if args.run_dir else (Path(stack.run_dir) if stack else runs_dir()) / f"bench-{stamp}"
     try:
         spec = msgspec.structs.replace(spec, model=model)
         with console.status(f"Locust: {_plan(spec)}, {args.duration:.0f} s against {target}"):

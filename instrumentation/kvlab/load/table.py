@@ -10,7 +10,8 @@ from kvlab.load.summary import Summary
 
 Metric = Callable[[Summary], float | None]
 
-# (label, the metric, format, better) ; better: "low" | "high" | None
+# (label, the metric, format, better) ; better: "low" | "high" | None. A row no phase has a value for
+# (the open-loop rows of closed-loop phases) is left out.
 ROWS: list[tuple[str, Metric, str, str | None]] = [
     ("requests ok", lambda s: s.ok, "{:.0f}", "high"),
     ("errors", lambda s: s.errors, "{:.0f}", "low"),
@@ -31,35 +32,53 @@ ROWS: list[tuple[str, Metric, str, str | None]] = [
     ("hit rate predicted", lambda s: s.hit_rate.predicted, "{:.0%}", "high"),
     ("hit rate delivered", lambda s: s.hit_rate.delivered, "{:.0%}", "high"),
 ]
+SAME = 0.03   # a change smaller than this share of the before value prints as "≈"
 
 
 def _change(before: float | None, after: float | None, better: str | None) -> str:
+    """After against before: "=" the same, "≈" within 3 %, "12% lower" under 2×, "2.4× higher" beyond;
+    green when better."""
     if before is None or after is None or better is None:
         return ""
     if before == after:
         return "="
-    if before and after and better == "low":
-        text = f"{before / after:.1f}× lower" if after < before else f"{after / before:.1f}× higher"
-    elif before:
-        text = f"{after / before:.1f}×"
-    else:
+    if before and abs(after - before) <= SAME * abs(before):
+        return "≈"
+    if not before:
         text = "new"
+    else:
+        ratio = max(after, before) / min(after, before) if min(after, before) > 0 else float("inf")
+        way = "lower" if after < before else "higher"
+        text = f"{abs(after - before) / before:.0%} {way}" if ratio < 2 else f"{ratio:.1f}× {way}"
     good = (after < before) if better == "low" else (after > before)
     return f"[green]{text}[/green]" if good else f"[red]{text}[/red]"
 
 
+def _slo(phases: list[Summary]) -> str:
+    """The SLO the goodput row counts (one per run), for the caption."""
+    slos = {(s.goodput.slo.ttft_ms, s.goodput.slo.tpot_ms) for s in phases if s.goodput}
+    if len(slos) != 1:
+        return ""
+    ttft, tpot = slos.pop()
+    return f"goodput: requests with TTFT ≤ {ttft:g} ms and TPOT ≤ {tpot:g} ms"
+
+
 def summary_table(summaries: Mapping[str, Summary], title: str | None = None) -> Table:
-    """Rows = metrics, columns = phases; with exactly two phases a `change` column (green = better)."""
-    table = Table(title=title)
+    """Rows = metrics, columns = phases; with exactly two phases a `change` column (green = better);
+    the caption names the goodput's SLO."""
+    pair = len(summaries) == 2
+    phases = list(summaries.values())
+    notes = [_slo(phases), "change: the second phase against the first, ≈ within 3 %" if pair else ""]
+    table = Table(title=title, caption="\n".join(n for n in notes if n) or None)
     table.add_column("metric")
     for phase in summaries:
         table.add_column(phase, justify="right")
-    pair = len(summaries) == 2
     if pair:
         table.add_column("change", justify="right")
-    phases = list(summaries.values())
     for label, metric, fmt, better in ROWS:
         values = [metric(s) for s in phases]
+        if all(v is None for v in values):
+            continue
         cells = [fmt.format(v) if v is not None else "n/a" for v in values]
         if pair:
             cells.append(_change(values[0], values[1], better))

@@ -11,6 +11,8 @@ class Preset(msgspec.Struct, frozen=True):
     users: int           # concurrent Locust users (the autoscale scenario: at the peak)
 
 
+# Users: 12 queue requests at the quickstart's two replicas, so routing decides the tail; the quick
+# check and compare (one phase per router, five in a row) keep 8 to stay short; bench sends the lab's.
 LAB = Preset(60.0, 12)
 LAB_QUICK = Preset(25.0, 8)
 COMPARE = Preset(30.0, 8)

@@ -36,12 +36,13 @@ from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError, StackError
 from kvlab.gateway.config import PRESETS
 from kvlab.lifecycle import free_port, http_ok
-from kvlab.process import Child
+from kvlab.process import Child, own_record
 from kvlab.run.phases import Phase
 from kvlab.run.tcp_events import Relay
-from kvlab.stack.base import Stack, StackInfo
+from kvlab.stack.base import Stack, StackInfo, stop_left_over
 from kvlab.stack.launch import HOST
 from kvlab.stack.local import LocalStack
+from kvlab.stack.state import runs_dir
 from kvlab.topology import Topology
 
 VLLM_ROUTER = ("vllm-router --host {host} --port {port} --worker-urls {url} --policy %s "
@@ -282,6 +283,7 @@ class RouterStack:
         log = self.base.logs / f"router-{name.replace(':', '-')}.log"
         self.peer = Child.start(f"router-{name}", argv, log)
         self.base.children.append(self.peer)   # in stack.json, so `kvlab down` stops it too
+        self.base.write_state()
         url = f"http://{HOST}:{port}"
         deadline = time.monotonic() + self.ready_timeout_s
         while not (http_ok(f"{url}/health") or http_ok(f"{url}/v1/models")):
@@ -300,7 +302,12 @@ def local_routers(console: Console, topology: Topology, run_dir: Path, routers: 
     """The replicas of `topology` started (a line says so) behind `routers`, for `kvlab lab` and
     `kvlab compare`; a StackError gains the logs' place and doctor's `advice`; all stopped on exit."""
     started = time.monotonic()
+    for latest in dict.fromkeys([runs_dir() / "latest", Path(run_dir).parent / "latest"]):
+        if left := stop_left_over(latest):
+            console.print(f"[yellow]![/yellow] stopped {left} process{'es' if left != 1 else ''} that a killed run "
+                          f"left running ({latest.resolve().name})")
     with LocalStack(topology, run_dir, with_gateway=False) as base:
+        base.driver = own_record("driver")   # a later run stops what this one leaves if it is killed
         stack = RouterStack(base, routers)
         with console.status("starting replicas and telemetry..."):
             stack.start()

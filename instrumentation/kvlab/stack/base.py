@@ -17,14 +17,15 @@ import msgspec
 from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError
 from kvlab.lifecycle import write_atomic
-from kvlab.process import ProcessRecord
+from kvlab.process import ProcessRecord, still_running, stop_recorded
 from kvlab.topology import Topology
 
 
 class StackInfo(msgspec.Struct, kw_only=True, frozen=True):
     """runs/<id>/stack.json. `topology` is the full topology of a local stack; a cluster runs what
     `kvlab cluster deploy` deployed and records only its name (`deployed`); `replicas` are the
-    endpoints a local gateway reads; `processes` what `kvlab down` stops (after `supervisor`)."""
+    endpoints a local gateway reads; `processes` what `kvlab down` stops (after `supervisor`), and
+    what a later lab or compare stops when `driver` died without stopping them."""
 
     id: str
     run_dir: str
@@ -43,6 +44,7 @@ class StackInfo(msgspec.Struct, kw_only=True, frozen=True):
     jaeger: str | None = None
     grafana: str | None = None
     supervisor: ProcessRecord | None = None
+    driver: ProcessRecord | None = None     # the kvlab lab/compare that runs the stack in-process
     context: str | None = None              # a cluster's kube context and namespace
     namespace: str | None = None
     processes: list[ProcessRecord] = msgspec.field(default_factory=list)
@@ -89,6 +91,18 @@ def read_info(run_dir: Path) -> StackInfo | None:
         return msgspec.convert({**data, "topology": None, "deployed": data["topology"].get("name")}, StackInfo)
     except msgspec.ValidationError:
         return None
+
+
+def stop_left_over(run_dir: Path) -> int:
+    """Stop the processes a `kvlab lab` or `kvlab compare` killed mid-run left in run_dir's stack.json
+    (its `driver` no longer runs); how many were still running."""
+    info = read_info(run_dir)
+    if info is None or info.driver is None or info.status == "stopped" \
+            or still_running(info.driver):
+        return 0
+    stopped = sum(stop_recorded(p) for p in reversed(info.processes))
+    msgspec.structs.replace(info, status="stopped", processes=[]).write()
+    return stopped
 
 
 class Stack(Protocol):

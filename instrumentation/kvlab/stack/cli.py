@@ -18,7 +18,7 @@ from rich.table import Table
 from kvlab.doctor import preflight
 from kvlab.errors import KvlabError
 from kvlab.lifecycle import http_ok, terminate
-from kvlab.process import Child, log_tail, runs_command, stop_recorded
+from kvlab.process import Child, log_tail, still_running, stop_recorded
 from kvlab.stack.base import StackInfo, read_info
 from kvlab.stack.state import new_run_dir, runs_dir, set_latest
 from kvlab.topology import load_topology, resolve_topology
@@ -40,7 +40,7 @@ def up(args: argparse.Namespace) -> int:
     set_latest(run_dir)
     argv = [sys.executable, "-m", "kvlab.stack.supervisor", "--run-dir", str(run_dir), "--topology", str(topo_path)]
     log = run_dir / "supervisor.log"
-    proc = Child.start("supervisor", argv, log).popen
+    proc = Child.start("supervisor", argv, log, die_with_parent=False).popen   # outlives `kvlab up`
     deadline = time.monotonic() + args.timeout
     with console.status(f"starting {topology.total_replicas} {topology.engine} replicas and the gateway..."):
         while time.monotonic() < deadline:
@@ -78,7 +78,7 @@ def status(args: argparse.Namespace) -> int:
     _print_stack(stack)
     table = Table("process", "pid", "alive", "log")
     for p in stack.processes:
-        alive = runs_command(p.pid, p.argv)
+        alive = still_running(p)
         table.add_row(p.name, str(p.pid), "[green]yes[/green]" if alive else "[red]no[/red]", p.log)
     console.print(table)
     health = Table("endpoint", "url", "health")
@@ -103,9 +103,18 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+# what each command does (its --help)
+DESCRIPTIONS = {
+    "up": "Start a local stack (replicas, gateway, telemetry) from a topology, detached; its processes go to "
+          "the run's stack.json.",
+    "status": "Show the local stack's processes (those in stack.json) and their health.",
+    "down": "Stop the local stack: every process stack.json records, peers and leftovers included.",
+}
+
+
 def parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"kvlab {command}", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", help="run directory (default: a new one for up, runs/latest otherwise)")
+    p = argparse.ArgumentParser(prog=f"kvlab {command}", description=DESCRIPTIONS[command])
+    p.add_argument("--run-dir", help="the run directory (default: a new one for up, runs/latest otherwise)")
     if command == "up":
         p.add_argument("--topology", default="quickstart", help="a labs/topologies name or a YAML file")
         p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")

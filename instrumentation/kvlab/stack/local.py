@@ -84,6 +84,7 @@ class LocalStack:
         self._starting = False                # stack.json says "starting" until start() is done
         self.jaeger: str | None = None
         self.supervisor: ProcessRecord | None = None   # the supervisor process of `kvlab up`
+        self.driver: ProcessRecord | None = None       # or the kvlab lab/compare driving it in-process
         self.start_policy = policy or topology.gateway.policy
         self.with_gateway = with_gateway             # False: gateways only through gateway_for()
 
@@ -99,7 +100,9 @@ class LocalStack:
         self._starting = True
         try:
             self.start_traces()
+            self.write_state()    # each part recorded as soon as it runs: a killed driver leaves nothing unlisted
             self.start_engines()
+            self.write_state()
             if self.with_gateway:
                 self.start_gateway(self.start_policy)
             self.start_prometheus()
@@ -317,7 +320,7 @@ class LocalStack:
             topology=self.topology, model=self.topology.model, policy=self.policy,
             gateway=self.gateway_url, replicas=list(self.replicas), otlp_endpoint=self.otlp_endpoint,
             traces_dir=str(self.traces_dir) if self.traces_dir else None, prometheus=self.prometheus,
-            jaeger=self.jaeger, supervisor=self.supervisor,
+            jaeger=self.jaeger, supervisor=self.supervisor, driver=self.driver,
             processes=[c.describe() for c in self.children]
                       + [s.child.describe() for s in (self.scaler.added if self.scaler else [])])
 

@@ -11,14 +11,13 @@ child is down, `running` again once all are up.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.process import ProcessRecord
+from kvlab.process import own_record
 from kvlab.stack.local import LocalStack
 from kvlab.topology import load_topology
 
@@ -75,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     stack = LocalStack(load_topology(args.topology), args.run_dir)
-    cmdline = [c.decode() for c in Path("/proc/self/cmdline").read_bytes().split(b"\0") if c]
-    stack.supervisor = ProcessRecord(name="supervisor", pid=os.getpid(), argv=cmdline,
-                                     log=str(Path(args.run_dir).absolute() / "supervisor.log"))
+    stack.supervisor = own_record("supervisor", str(Path(args.run_dir).absolute() / "supervisor.log"))
     try:
         stack.start()
         print(f"stack running: gateway {stack.gateway_url}", flush=True)

@@ -33,6 +33,7 @@ from kvlab.traces.hitrate import RequestHits, request_hits, summarize
 from kvlab.traces.run import load_requests
 from kvlab.traces.sources import TraceSource, open_source
 from kvlab.traces.span import Trace
+from kvlab.vocabulary import old_spelling
 
 _SHOW_KEYS = (n.POLICY, n.REPLICA, n.SCHEDULE_CHOSEN, n.SCHEDULE_REASON, n.PROMPT_TOKENS,
               n.PREFIX_AVAILABLE_TOKENS, n.PREFIX_PREDICTED_TOKENS, n.PREFIX_DELIVERED_TOKENS,
@@ -46,12 +47,13 @@ def _parser() -> argparse.ArgumentParser:
 
     def source_flags(sp: argparse.ArgumentParser) -> None:
         g = sp.add_mutually_exclusive_group()
-        g.add_argument("--run", type=Path, help="a run directory (default runs/latest)")
+        g.add_argument("--run-dir", type=Path, help="a run directory (default runs/latest)")
+        old_spelling(g, "--run", "--run-dir", type=Path)
         g.add_argument("--jaeger", metavar="URL", help="a Jaeger v2 query service, e.g. http://127.0.0.1:16686")
 
     ls = sub.add_parser("list", help="recent traces, one row each")
     source_flags(ls)
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--limit", type=int, default=20, help="at most this many traces (default 20)")
     ls.add_argument("--service", help="only traces with a span of this service")
     ls.add_argument("--policy", help="only requests routed under this policy")
     show = sub.add_parser("show", help="one trace as a span tree (and a waterfall with --html)")
@@ -98,7 +100,7 @@ def _pct(part: int | None, whole: int | None) -> str:
 
 
 def cmd_list(source: TraceSource, args: argparse.Namespace, console: Console) -> int:
-    requests = ({r.trace_id.lower(): r for r in load_requests(args.run) if r.trace_id}
+    requests = ({r.trace_id.lower(): r for r in load_requests(args.run_dir) if r.trace_id}
                 if not args.jaeger else {})
     traces = source.traces(service=args.service)
     rows = []
@@ -235,7 +237,7 @@ def cmd_explain_many(traces: list[Trace], rows: list[RequestHits], args: argpars
 
 def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console) -> int:
     traces = source.traces()
-    rows = request_hits(traces, [] if args.jaeger else load_requests(args.run))
+    rows = request_hits(traces, [] if args.jaeger else load_requests(args.run_dir))
     if not args.trace_id and (args.reason or args.replica or args.worst is not None):
         return cmd_explain_many(traces, rows, args, console)
     if args.trace_id:
@@ -277,7 +279,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=180)
     try:
-        source = open_source(args.run, args.jaeger)
+        source = open_source(args.run_dir, args.jaeger)
         return {"list": cmd_list, "show": cmd_show, "explain": cmd_explain}[args.command](source, args, console)
     except KvlabError as exc:
         console.print(f"[red]kvlab traces:[/] {exc}")

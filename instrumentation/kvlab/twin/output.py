@@ -28,7 +28,7 @@ BANNER = (f'<p class="note" style="font-weight:bold">Every figure on this page i
           "docs/twin.md says what it models.</p>")
 
 
-def _label(html_path: Path) -> None:
+def label_twin(html_path: Path) -> None:
     """Put the twin banner under the page's heading (the renderers are the live runs')."""
     text = html_path.read_text(encoding="utf-8")
     head, sep, rest = text.partition("</h1>")
@@ -73,5 +73,5 @@ def write_pages(run_dir: Path, twin: dict[str, Any], summaries: dict[str, Summar
                           {"run": run_dir.name, "source": SOURCE, "workload": workload["name"],
                            "replicas": twin["replicas"], "seed": twin["seed"]})
     for page in (cmp_html, report):
-        _label(page)
+        label_twin(page)
     return {"compare": cmp_html, "report": report}

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--typed-retention", type=float, metavar="PINNED_SHARE",
                    help="honour retention directives (experimental, docs/semantic-kv.md); pinned blocks "
                         "are bounded to this share of the cache (0 <= share < 1)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     return p
 
 

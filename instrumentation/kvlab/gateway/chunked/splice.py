@@ -9,6 +9,10 @@ chunk span's `kvlab.chunk.cached_tokens` and the resume counter show which). llm
 sidecar has the same per-chunk request shape (experimental chunked decode) without a scheduler
 between chunks. The client sees one stream: one id, no finish_reason until the last chunk, one
 usage with the original prompt_tokens and the chunks' completion_tokens summed.
+
+A replica that dies during a chunk is replaced like any other stream's (gateway/resume.py): what
+the client received of that chunk stays, and the next chunk continues it on the replica `reroute`
+picks, at most `limits.max_resumes` times.
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ class _Chunk(msgspec.Struct):
     first: dict[str, Any] | None = None   # the first JSON object seen (the template of the answer)
     error: bytes | None = None            # an upstream error body or event, relayed as is
     status: int = 200
+    streamed: int = 0                     # content events relayed (a broken chunk's token count)
+    out: Any = None                       # the client's stream, once this chunk opened it
+
+    @property
+    def broken(self) -> bool:
+        """Its replica failed mid-way (the connection broke, or the stream ended without a finish)."""
+        return self.status == 502 or (self.error is None and self.status == 200 and self.finish_reason is None)
 
 
 def _usage(obj: dict[str, Any], out: _Chunk) -> None:
@@ -67,6 +78,10 @@ def _usage(obj: dict[str, Any], out: _Chunk) -> None:
         out.prompt_tokens = int(u.get("prompt_tokens") or 0)
         out.completion_tokens = int(u.get("completion_tokens") or 0)
         out.cached_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _error_text(c: _Chunk) -> str:
+    return (c.error or b"the stream ended before a finish reason").decode(errors="replace")
 
 
 class ChunkedDecode:
@@ -107,9 +122,10 @@ class ChunkedDecode:
         return q
 
     async def serve(self, request: web.Request, ex: Exchange, upstream: Upstream,
-                    on_first_token: Callable[[], None],
-                    on_usage: Callable[[dict[str, Any]], None]) -> web.StreamResponse:
-        """Generate `ex` in chunks on the replica it was routed to (`ex.served`)."""
+                    on_first_token: Callable[[], None], on_usage: Callable[[dict[str, Any]], None],
+                    reroute: Callable[[Backend, str], Backend | None], max_resumes: int) -> web.StreamResponse:
+        """Generate `ex` in chunks on the replica it was routed to (`ex.served`); when that replica
+        fails, on the one `reroute(lost replica, error)` picks (None: none is left)."""
         assert ex.served is not None
         r, payload, operation, span = ex.served.replica, ex.payload, ex.operation, ex.span
         stream, client_usage, chunk_tokens = ex.stream, ex.client_usage, ex.chunk_tokens
@@ -120,13 +136,13 @@ class ChunkedDecode:
         path = ex.path
         q = self.queue(r)
         out: web.StreamResponse | None = None
-        generated, total, index = "", 0, 0
+        generated, total, index, resumes = "", 0, 0, 0
         first: _Chunk | None = None
         last = _Chunk()
         ident: dict[str, Any] = {}        # the first chunk's id and created: the one stream's
         while True:
             n = chunk_tokens if limit is None else min(chunk_tokens, limit - total)
-            body = resume_body(payload, operation, generated) if index else dict(payload)
+            body = resume_body(payload, operation, generated) if generated else dict(payload)
             body.pop("max_completion_tokens", None)
             body["max_tokens"] = n
             if min_tokens:
@@ -141,6 +157,13 @@ class ChunkedDecode:
                     self._record(cs, r, index, n, waited, reason, rank, tenant, last)
             finally:
                 q.release()
+            if last.broken and resumes < max_resumes and (other := reroute(r, _error_text(last))) is not None:
+                if first is None and last.first is not None:   # the usage counts the original prompt
+                    first = _Chunk(prompt_tokens=len(ex.tokens), first=last.first)
+                generated += last.text
+                total += last.streamed
+                r, q, resumes = other, self.queue(other), resumes + 1
+                continue
             if last.error is not None or last.status != 200:
                 break
             if first is None:
@@ -204,7 +227,7 @@ class ChunkedDecode:
         except (TimeoutError, aiohttp.ClientError) as exc:
             c.status = 502
             c.error = error_json(f"{r.name}: {type(exc).__name__}: {exc}")
-            return c, out
+            return c, c.out or out
 
     async def _relay(self, resp: aiohttp.ClientResponse, c: _Chunk, ident: dict[str, Any],
                      out: web.StreamResponse | None,
@@ -239,6 +262,7 @@ class ChunkedDecode:
                 delta = ch.get("delta")
                 piece = (delta.get("content") if isinstance(delta, dict) else ch.get("text")) or ""
                 c.text += piece
+                c.streamed += bool(piece)
                 if ch.get("finish_reason") is not None:
                     c.finish_reason = ch["finish_reason"]
                     if c.finish_reason == "length":
@@ -258,6 +282,7 @@ class ChunkedDecode:
                         **headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     on_first_token()
+                    c.out = out
                 await out.write(b"".join(send))
             if c.error is not None:
                 break

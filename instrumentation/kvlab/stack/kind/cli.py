@@ -2,7 +2,7 @@
 
     kvlab cluster create [--gpu] [--topology NAME|FILE]   kind cluster (+ GPU node setup, device plugin)
     kvlab cluster deploy baseline|gateway|observability [--gpu] [--topology NAME|FILE]
-    kvlab cluster render baseline|gateway|observability [--gpu] [--topology NAME|FILE] --out DIR
+    kvlab cluster render baseline|gateway|observability [--gpu] [--topology NAME|FILE] --manifests-dir DIR
     kvlab cluster preflight [--topology NAME|FILE]   GPU slots, nvidia-smi in a pod, image, memory, model cache
     kvlab cluster status                         deployments, pods and the URLs to use
     kvlab cluster forward [TARGET ...]           port-forwards (gateway, jaeger, prometheus, grafana)
@@ -26,23 +26,36 @@ from kvlab.stack.kind import manifests as m
 from kvlab.stack.kind import objects as o
 from kvlab.stack.kind.runner import api_client
 from kvlab.topology import Topology, builtin, load_topology
+from kvlab.vocabulary import old_spelling
+
+# `kvlab cluster ACTION`: what each does (`kvlab --help` lists the names)
+ACTIONS = {
+    "create": "a kind cluster (+ GPU node setup)",
+    "deploy": "apply baseline|gateway|observability|gateway-api|llm-d|inference-pool",
+    "render": "write what deploy would apply, as YAML",
+    "preflight": "check GPU slots, an nvidia-smi pod, the image, memory",
+    "status": "deployments, pods and the URLs to use",
+    "forward": "port-forward gateway, jaeger, prometheus, grafana",
+    "delete": "delete the kind cluster",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlab cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["create", "delete", "deploy", "render", "preflight", "status", "forward"])
+    p.add_argument("action", choices=ACTIONS, help="; ".join(f"{name}: {what}" for name, what in ACTIONS.items()))
     p.add_argument("what", nargs="*", help="deploy, render: baseline|gateway|observability|gateway-api|llm-d|inference-pool; forward: targets")
     p.add_argument("--gpu", action="store_true", help="GPU host: vLLM replicas on NVIDIA GPUs (kind/gpu.yaml)")
     p.add_argument("--name", default="kvlab", help="kind cluster name (kube context kind-NAME)")
-    p.add_argument("--namespace", default="kvlab")
+    p.add_argument("--namespace", default="kvlab", help="the namespace kvlab deploys into (default kvlab)")
     p.add_argument("--topology", default=None,
                    help="a shipped topology name or a YAML file (default: quickstart; with --gpu: the gpu-N fitting the host's GPUs)")
     p.add_argument("--image", default=f"kvlab:{__version__}", help="the kvlab image (gateway + simulator)")
     p.add_argument("--no-build", action="store_true", help="deploy: do not build/load the kvlab image")
     p.add_argument("--hf-model", default=None,
                    help=f"GPU: the Hugging Face model vLLM serves (default: the topology's gpu.model, else {versions.VLLM_MODEL})")
-    p.add_argument("--out", type=Path, help="render: the directory the YAML files are written to")
+    p.add_argument("--manifests-dir", type=Path, help="render: the directory the YAML files are written to")
+    old_spelling(p, "--out", "--manifests-dir", type=Path)
     p.add_argument("--dry-run", action="store_true", help="print the steps and manifests; touch nothing")
     return p
 
@@ -193,13 +206,13 @@ def preflight_cmd(args: argparse.Namespace) -> int:
 
 def render_cmd(args: argparse.Namespace) -> int:
     """Write what `deploy` would apply (plan.deploy's very manifests), one YAML file per phase."""
-    if args.out is None:
-        raise KvlabError("render: --out DIR is required")
+    if args.manifests_dir is None:
+        raise KvlabError("render: --manifests-dir DIR is required")
     steps = build_plan(args)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.manifests_dir.mkdir(parents=True, exist_ok=True)
     for step in steps:
         if step.action == "apply":
-            path = args.out / f"{step.what}.yaml"
+            path = args.manifests_dir / f"{step.what}.yaml"
             path.write_text(m.to_yaml(step.manifests))
             print(f"{path}  ({len(step.manifests)} objects)")
     return 0
