@@ -3,6 +3,8 @@
     kvlab twin --topology quickstart --policy round-robin,kv-aware --replicas 16 --requests 5000
     kvlab twin --trace mooncake-conversation --replicas 16 --requests 10000 --profile qwen3-32b-tp2-h100
     kvlab twin --config my-twin.yaml         # TwinSettings keys (twin/settings.py)
+    kvlab twin --trace mooncake-conversation --profile h100-llama3-8b --block-size 64 \
+        --policy round-robin,kv-aware,dynamo-round-robin,dynamo-kv-router   # + Dynamo's own replay (twin/dynamo.py)
 
 Settings are checked before anything runs (unknown topology, policy, profile, workload or trace
 line; replicas outside 1-128). Writes runs/<id>-twin/: per policy summary.json and requests.jsonl,
@@ -25,9 +27,9 @@ from kvlab.compare.results import table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
-from kvlab.twin import output
+from kvlab.twin import dynamo, output
 from kvlab.twin.runner import TwinResult, plans, run
-from kvlab.twin.settings import TwinSettings
+from kvlab.twin.settings import Plan, TwinSettings
 
 # flag -> Information field
 _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after the engine step (ms)",
@@ -43,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of twin settings (flags override it)")
     p.add_argument("--topology", help="shipped topology name or YAML path (default quickstart)")
-    p.add_argument("--policy", help="comma-separated policies, or `all` (default: the topology's)")
+    p.add_argument("--policy", help="comma-separated policies, or `all` (default: the topology's); "
+                                    "dynamo-round-robin, dynamo-kv-router: Dynamo's own replay beside them")
     p.add_argument("--replicas", type=int,
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
                         "replica brings its ranks; 1-128 endpoints in all")
@@ -100,8 +103,8 @@ def policies_of(text: str | None) -> list[str]:
     return names
 
 
-def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
-    first = results[0].plan
+def document(first: Plan, results: list[TwinResult], replays: list[dynamo.DynamoResult],
+             argv: list[str]) -> dict[str, Any]:
     s = first.settings
     return {"command": "kvlab twin " + " ".join(argv), "source": output.SOURCE,
             "settings": msgspec.to_builtins(s), "information": msgspec.to_builtins(first.information),
@@ -113,7 +116,13 @@ def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
                                           "requests_per_s": round(len(r.records) / r.wall_s, 1) if r.wall_s else None,
                                           "speculative_confirmed": r.outcome.speculative_confirmed,
                                           "speculative_expired": r.outcome.speculative_expired}
-                     for r in results}}
+                     for r in results},
+            **({"peers": {r.name: {"source": dynamo.source(), "wall_s": round(r.wall_s, 3),
+                                   "virtual_s": round(r.virtual_s, 3), "engine": dynamo.engine_args(first),
+                                   "arrival_speedup_ratio": 1 / s.time_scale,
+                                   "kv_event_lag_ms": first.information.kv_event_delay_ms,
+                                   "prefix_cache_reused_ratio": r.report.get("prefix_cache_reused_ratio")}
+                           for r in replays}} if replays else {})}
 
 
 def main(argv: list[str]) -> int:
@@ -121,11 +130,14 @@ def main(argv: list[str]) -> int:
     console = Console(stderr=True)
     try:
         settings = settings_of(args)
-        todo = plans(settings, policies_of(args.policy))
+        names, replays = dynamo.split(policies_of(args.policy))
+        todo = plans(settings, names) if names or not replays else []
+        first = todo[0] if todo else plans(settings, [])[0]
+        if replays:
+            dynamo.check(first)
     except ConfigError as exc:
         console.print(f"[red]kvlab twin:[/red] {exc}")
         return 2
-    first = todo[0]
     console.print(f"twin · {first.topology.name} · {first.replicas} replicas × {first.num_blocks} blocks · "
                   f"profile {first.profile_name} · {first.workload.name} · {first.settings.requests} requests · "
                   f"{'perfect information' if first.information.perfect else 'live-like information'}")
@@ -140,24 +152,38 @@ def main(argv: list[str]) -> int:
                     bar.update(task, completed=n)
 
             results.append(run(plan, oracle=not args.no_oracle, progress=advance))
+    peers = []
+    for name in replays:
+        with console.status(f"{name}: Dynamo's replay of {first.settings.requests} requests"):
+            peers.append(dynamo.run(first, name))
     from kvlab.stack.state import new_run_dir, set_latest
 
     run_dir = Path(args.out) if args.out else new_run_dir("twin")
     run_dir.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        output.write_policy(run_dir, r.plan.policy.name, r.summary, r.records)
+    summaries = {r.plan.policy.name: r.summary for r in results} | {r.name: r.summary for r in peers}
+    records = {r.plan.policy.name: r.records for r in results} | {r.name: r.records for r in peers}
+    for name, summary in summaries.items():
+        output.write_policy(run_dir, name, summary, records[name])
     rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
+    ceiling = None if args.no_oracle or not peers else dynamo.oracle(first, dynamo.rows_of(first))
+    rows += [output.compare_row(r.name, r.summary, ceiling, peer=True) for r in peers]
     note = (f"oracle: Belady on one pooled cache of {first.replicas} × {first.num_blocks} blocks"
             if not args.no_oracle else "oracle skipped (--no-oracle)")
-    pages = output.write_pages(run_dir, document(results, argv), {r.plan.policy.name: r.summary for r in results},
-                             {r.plan.policy.name: r.records for r in results}, rows, note)
+    if peers:
+        note += f"; the (peer) rows: {dynamo.source()}"
+    pages = output.write_pages(run_dir, document(first, results, peers, argv), summaries, records, rows, note,
+                               dynamo.source() if peers else None)
     if not args.out:
         set_latest(run_dir)
     console.print(table(first.workload.name, rows, note))
     for r in results:
         console.print(f"{r.plan.policy.name}: {len(r.records)} requests, {r.outcome.virtual_s:.0f} s simulated in "
                       f"{r.wall_s:.1f} s ({len(r.records) / r.wall_s:.0f} requests/s, {r.speedup:.0f}× real time)")
-    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from the twin)")
+    for p in peers:
+        console.print(f"{p.name}: {len(p.records)} requests, {p.virtual_s:.0f} s simulated in {p.wall_s:.1f} s by "
+                      "Dynamo's replay")
+    source = "the twin; the (peer) rows from Dynamo's replay" if peers else "the twin"
+    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from {source})")
     return 0
 
 
