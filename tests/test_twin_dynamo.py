@@ -72,7 +72,7 @@ def test_the_mocker_gets_the_twins_engine_sizes(trace):
     plan = plan_of(trace)
     assert dynamo.engine_args(plan)["engine"] | {} == {
         "block_size": 16, "num_gpu_blocks": 300, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-        "enable_prefix_caching": True, "enable_chunked_prefill": True}
+        "enable_prefix_caching": True, "enable_chunked_prefill": True, "speedup_ratio": 1.0}
 
 
 def test_round_robin_hit_rate_agrees_with_dynamos_replay(trace):
@@ -90,6 +90,23 @@ def test_round_robin_hit_rate_agrees_with_dynamos_replay(trace):
     assert peer.summary.hit_rate.delivered == pytest.approx(twin.hit_rate.delivered, abs=0.02)
     assert peer.summary.replicas == {f"worker-{i}": 75 for i in range(4)}   # round-robin, as the twin's
     assert peer.report["prefix_cache_reused_ratio"] == pytest.approx(peer.summary.hit_rate.delivered, abs=1e-3)
+
+
+def test_with_the_prefill_speed_matched_a_lone_prompts_ttft_agrees(tmp_path):
+    """The TTFT cross-check's base: the mocker's timing scaled so that a cold 4,000-token prompt
+    computes as long as the profile says; alone on one replica, both TTFTs are that prefill. Under
+    load they part (docs/twin.md: the mocker's decode steps grow with the batch's context)."""
+    require(HAS_DYNAMO, "Dynamo's replay (pip install 'kvlab[dynamo]')")
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 4000, "output_length": 4,
+                                "hash_ids": list(range(8))}) + "\n")
+    plan = resolve(TwinSettings(trace=str(path), profile="h100-llama3-8b", replicas=1, requests=1, block_size=64))
+    speed = dynamo.prefill_matched_speedup(plan, 4000)
+    assert 0.5 < speed < 1.0            # the mocker's default prefills faster than the H100 8B profile
+    peer = dynamo.run(plan, "dynamo-round-robin", speedup_ratio=speed).summary.ttft_ms.p50
+    twin = run(plan, oracle=False).summary.ttft_ms.p50
+    assert peer is not None and twin is not None
+    assert peer == pytest.approx(twin, rel=0.05)
 
 
 def test_twin_puts_dynamos_rows_beside_its_own(trace, tmp_path):

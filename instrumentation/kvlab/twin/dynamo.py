@@ -46,10 +46,10 @@ INSTALL = "pip install 'kvlab[dynamo]'"
 
 def source() -> str:
     """What made the figures, for every page and summary that carries them."""
-    return f"Dynamo's mocker replay ({PACKAGE} {_version()}): virtual time, Dynamo's simulator (not kvlab's twin)"
+    return f"Dynamo's mocker replay ({PACKAGE} {version()}): virtual time, Dynamo's simulator (not kvlab's twin)"
 
 
-def _version() -> str:
+def version() -> str:
     try:
         return metadata.version(PACKAGE)
     except metadata.PackageNotFoundError:
@@ -89,12 +89,30 @@ def check(plan: Plan) -> None:
     _core()
 
 
-def engine_args(plan: Plan) -> dict[str, Any]:
-    """The mocker engine's settings, matched to the twin's replicas (Dynamo's `engine` section)."""
+def engine_args(plan: Plan, speedup_ratio: float = 1.0) -> dict[str, Any]:
+    """The mocker engine's settings, matched to the twin's replicas (Dynamo's `engine` section);
+    `speedup_ratio` scales the mocker's own timing model (below 1: slower)."""
     sim = plan.sim
     return {"engine": {"block_size": sim.block_size, "num_gpu_blocks": plan.num_blocks,
                        "max_num_seqs": sim.max_num_seqs, "max_num_batched_tokens": sim.max_num_batched_tokens,
-                       "enable_prefix_caching": True, "enable_chunked_prefill": True}}
+                       "enable_prefix_caching": True, "enable_chunked_prefill": True,
+                       "speedup_ratio": speedup_ratio}}
+
+
+def prefill_matched_speedup(plan: Plan, tokens: int = 8192) -> float:
+    """The mocker's `speedup_ratio` that makes its idle prefill of `tokens` take as long as the
+    plan's profile takes (one request alone, chunked at the batch limit): the two timing models
+    then agree on a cold prompt's compute, and what remains of a TTFT difference is their decode
+    and batching assumptions (docs/twin.md)."""
+    core = _core()
+    alone = core.run_mocker_synthetic_trace_replay(tokens, 2, 1, replay_concurrency=1,
+                                                   extra_engine_args=engine_args(plan))
+    budget, done, kvlab_ms = plan.sim.max_num_batched_tokens, 0, 0.0
+    while done < tokens:
+        n = min(budget, tokens - done)
+        kvlab_ms += plan.profile.step_ms(n, 0, (done + n / 2) * n / 1000, admitted=1 if done == 0 else 0)
+        done += n
+    return float(alone.summary["mean_ttft_ms"]) / (kvlab_ms * plan.sim.time_scale)
 
 
 def rows_of(plan: Plan) -> list[TraceRow]:
@@ -166,8 +184,9 @@ def records_of(name: str, rows: list[TraceRow], per_request: list[dict[str, Any]
     return out
 
 
-def run(plan: Plan, name: str, rows: list[TraceRow] | None = None) -> DynamoResult:
-    """Replay the plan's trace through Dynamo's router `name` (a key of MODES) and mocker engines."""
+def run(plan: Plan, name: str, rows: list[TraceRow] | None = None, speedup_ratio: float = 1.0) -> DynamoResult:
+    """Replay the plan's trace through Dynamo's router `name` (a key of MODES) and mocker engines
+    (`speedup_ratio`: the mocker's timing scaled, e.g. by `prefill_matched_speedup`)."""
     assert isinstance(plan.workload, Trace)
     core = _core()
     rows = rows if rows is not None else rows_of(plan)
@@ -177,7 +196,8 @@ def run(plan: Plan, name: str, rows: list[TraceRow] | None = None) -> DynamoResu
         path = Path(tmp) / "trace.jsonl"
         _trace_file(plan, rows, path)
         result = core.run_mocker_trace_replay(
-            [str(path)], extra_engine_args=engine_args(plan), num_workers=plan.replicas, router_mode=MODES[name],
+            [str(path)], extra_engine_args=engine_args(plan, speedup_ratio), num_workers=plan.replicas,
+            router_mode=MODES[name],
             arrival_speedup_ratio=1 / plan.settings.time_scale, trace_block_size=plan.workload.block_tokens,
             capture_per_request=True, kv_event_lag_ms=lag if MODES[name] == "kv_router" and lag > 0 else None)
     wall = time.perf_counter() - start
