@@ -4,12 +4,14 @@ KV router in Dynamo's own replay (twin/dynamo.py) with matched engines.
 
     KVLAB_TRACES_DIR=/path/to/traces .venv/bin/python benchmarks/peers_at_scale.py \\
         [--replicas 16,64] [--requests 10000] [--profile h100-llama3-8b] [--block-size 64] \\
-        [--num-blocks 16384] [--slo-ttft-ms 2000]
+        [--num-blocks 16384] [--slo-ttft-ms 2000] [--matched-prefill]
 
 Prints one markdown row per run as it finishes: which simulator made it, the hit rate and its share
 of the trace's oracle (Belady on the pooled KV of all replicas, from the trace's hash ids), TTFT
 p50/p90/p99 and the share of requests within the SLO (TTFT and TPOT from the send). llm-d's
 approximate and precise schedulers join the table when their configurations run in the twin.
+`--matched-prefill` runs Dynamo's mocker at the profile's prefill speed (`prefill_matched_speedup`,
+docs/twin.md) instead of its own default timing.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     p.add_argument("--peers", default=PEERS, help="Dynamo replays (empty: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--matched-prefill", action="store_true", help="Dynamo's mocker at the profile's prefill speed")
     a = p.parse_args()
     slo = Slo(ttft_ms=a.slo_ttft_ms, tpot_ms=a.slo_tpot_ms)
     label = f"Dynamo {dynamo.version()} replay"
@@ -68,9 +71,11 @@ def main() -> None:
         for name in (n for n in a.policies.split(",") if n):
             r = run(resolve(msgspec.structs.replace(base, policy=name)), oracle=False, feed=feed)
             print(row("kvlab twin", name, replicas, r.records, oracle, slo), flush=True)
+        speed = dynamo.prefill_matched_speedup(plan) if a.matched_prefill else 1.0
         for name in (n for n in a.peers.split(",") if n):
-            d = dynamo.run(plan, name)
-            print(row(label, name, replicas, d.records, oracle, slo), flush=True)
+            d = dynamo.run(plan, name, speedup_ratio=speed)
+            which = f", speedup_ratio {speed:.3f}" if a.matched_prefill else ""
+            print(row(label + which, name, replicas, d.records, oracle, slo), flush=True)
     print(f"\noracle hit rate: Belady on the pooled KV, from the trace's hash ids ({a.trace}); "
           "llm-d approximate / precise: not in the twin yet")
 
