@@ -9,14 +9,14 @@ routing decisions: the longest match over all workers, as a share of the prompt;
 cache_threshold the request goes to a worker holding that match, else to the least-loaded worker.
 Either way the chosen worker learns the prompt.
 
-vllm-router's tree holds the request's text, character by character; here the approximate index
-(`index: {kind: approximate}`) stands for it: the same prompts learned from the same decisions, in
-KV blocks of token ids, so the match rate is cached tokens / prompt tokens rounded down to a block
-where vllm-router's is matched characters / prompt characters. The two agree where a shared prefix
-is whole blocks long and characters per token do not vary along the prompt (docs/twin.md, "vllm-router
-cache_aware"). Where several workers hold the longest match, vllm-router takes the one that last
-touched that node of its tree; here a seeded draw among them. Its tree is bounded at 33,554,432
-characters per worker, evicted every 120 s; the approximate index at each replica's KV blocks, LRU.
+vllm-router 0.1.17 keeps its tree over the token ids each worker's `/v1/chat/completions/render`
+returns (without that endpoint it routes by load alone); the approximate index (`index: {kind:
+approximate}`) stands for it: the same ids learned from the same decisions, in KV blocks, so the
+match rate is cached tokens / prompt tokens rounded down to a block. Where several workers hold the
+longest match, vllm-router takes the one that last touched that node of its tree; here a seeded
+draw among them. Its tree is bounded at 33,554,432 entries per worker, evicted every 120 s; the
+approximate index at each replica's KV blocks, LRU. tests/test_cache_aware_fidelity.py holds the
+two to the same decisions.
 """
 
 from __future__ import annotations
