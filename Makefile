@@ -21,7 +21,7 @@ $(VENV)/.core: $(VENV)/bin/activate pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.core
-	$(PIP) install -q -e '.[dev,lab,peers]'   # peers: compare tests run the real vllm-router
+	$(PIP) install -q -e '.[dev,lab,peers,dynamo]'   # peers: compare tests run the real vllm-router; dynamo: Dynamo's replay beside the twin
 	$(MAKE) otel-proto
 	touch $@
 

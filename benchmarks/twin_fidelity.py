@@ -11,7 +11,8 @@ The hit rate compared is the twin's at the live run's request count (a loaded ma
 fewer requests in the same time, and which prompts a replica has seen follows how many were sent);
 TTFT is the twin's over the same run time. `--profile` runs the twin on a copy of the topology whose
 `sim.profile` is that profile, keeping the topology's engine sizes (as the live engine has them).
-A ✓ marks a row within the goals: hit rate ±0.03, TTFT within ±20 % (simulator) or p50 within
+A peer router that kvlab models runs as its model in the twin (`vllm-router:cache_aware` as the
+`vllm-router-cache-aware` preset). A ✓ marks a row within the goals: hit rate ±0.03, TTFT within ±20 % (simulator) or p50 within
 ±30 % (vLLM).
 
 `--measured-overhead` adds a twin run per router whose `request_overhead_ms` is the live run's own
@@ -68,6 +69,13 @@ def twin_topology(a: argparse.Namespace, out: Path) -> str:
     return str(copy)
 
 
+MODELS = {"vllm-router:cache_aware": "vllm-router-cache-aware"}   # peer router -> its model in the twin
+
+
+def model(router: str) -> str:
+    return MODELS.get(router, router)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--topology", help="default: quickstart, or vllm with --engine vllm")
@@ -93,18 +101,18 @@ def main() -> None:
         routers = a.routers.split(",")
         base = TwinSettings(topology=twin_topology(a, Path(tmp)), users=a.users, duration_s=a.duration,
                             requests=100_000, seed=a.seed)
-        timed = {p.policy.name: run(p, oracle=False).summary for p in plans(base, routers)}
+        timed = {r: run(p, oracle=False).summary for r, p in zip(routers, plans(base, [model(r) for r in routers]))}
         counted = {}
         for r in routers:
             [plan] = plans(TwinSettings(topology=base.topology, users=a.users, requests=live[r]["requests"],
-                                        seed=a.seed), [r])
+                                        seed=a.seed), [model(r)])
             counted[r] = run(plan, oracle=False).summary
         source = Path(a.overhead_from) if a.overhead_from else run_dir if a.measured_overhead else None
         overhead = of_run(source) if source is not None else {}
         measured = {}
         for r, ms in overhead.items():
             settings = msgspec.structs.replace(base, information=Information(request_overhead_ms=max(ms, 0.0)))
-            [plan] = plans(settings, [r])
+            [plan] = plans(settings, [model(r)])
             measured[r] = run(plan, oracle=False).summary
     print(f"\n{a.topology}, {a.engine or 'topology'} engine, {a.users} users, {a.duration:g} s, seed {a.seed}"
           f"{', twin profile ' + a.profile if a.profile else ''}")

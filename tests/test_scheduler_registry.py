@@ -43,5 +43,5 @@ def test_a_second_plugin_with_a_taken_name_is_refused():
 
 
 def test_an_unknown_picker_is_a_clear_error():
-    with pytest.raises(ValueError, match="no picker named 'nope'; known: max-score, random, rank-blind, round-robin"):
+    with pytest.raises(ValueError, match="no picker named 'nope'; known: cache-aware, max-score, random, rank-blind, round-robin"):
         registry.named(registry.PICKERS, "picker")("nope")

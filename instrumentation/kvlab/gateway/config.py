@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,7 +22,8 @@ from kvlab.gateway.retention import RetentionSettings
 
 PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-aware", "rank-blind",
            "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull", "kv-aware-chunked", "kv-aware-chunked-16",
-           "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all", "kv-aware-affinity")
+           "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all", "kv-aware-affinity",
+           "vllm-router-cache-aware")
 
 
 class Weights(Strict, frozen=True):
@@ -43,6 +44,15 @@ class Thresholds(Strict, frozen=True):
     max_waiting: int | None = None        # vllm:num_requests_waiting
     max_kv_usage: float | None = None     # vllm:kv_cache_usage_perc, 0..1
     max_inflight: int | None = None       # requests the gateway has in flight to it
+
+
+class CacheAwareSettings(Strict, frozen=True):
+    """vllm-router's `cache_aware` policy (picker `cache-aware`): its settings and 0.1.17's defaults
+    (`vllm-router --help`; vllm-project/router src/policies/cache_aware.rs)."""
+
+    cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3   # match rate above which the tree decides
+    balance_abs_threshold: Annotated[int, msgspec.Meta(ge=0)] = 64       # imbalanced: max - min load above this ...
+    balance_rel_threshold: Annotated[float, msgspec.Meta(ge=0)] = 1.5    # ... and max above min times this
 
 
 class Timeouts(Strict, frozen=True):
@@ -107,7 +117,7 @@ class PDSettings(Strict, frozen=True):
 class PolicyConfig(Strict, frozen=True):
     name: str
     description: str = ""
-    picker: Literal["max-score", "round-robin", "random", "rank-blind"] = "max-score"
+    picker: Literal["max-score", "round-robin", "random", "rank-blind", "cache-aware"] = "max-score"
     weights: Weights = Weights()
     thresholds: Thresholds = Thresholds()
     index: IndexSettings = IndexSettings()
@@ -123,6 +133,7 @@ class PolicyConfig(Strict, frozen=True):
     pull: PullSettings = PullSettings()   # cross-replica KV pull (gateway/pull.py, docs/tiered.md)
     chunked: ChunkedSettings = ChunkedSettings()         # chunked decoding, off by default (docs/chunked-decoding.md)
     retention: RetentionSettings = RetentionSettings()   # typed retention directives (docs/semantic-kv.md)
+    cache_aware: CacheAwareSettings = CacheAwareSettings()   # the `cache-aware` picker (vllm-router's policy)
 
 
 def preset_path(name: str) -> Path:

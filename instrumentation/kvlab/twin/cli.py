@@ -3,6 +3,8 @@
     kvlab twin --topology quickstart --policies round-robin,kv-aware --replicas 16 --requests 5000
     kvlab twin --trace mooncake-conversation --replicas 16 --requests 10000 --profile h100-qwen3-32b-tp2
     kvlab twin --config my-twin.yaml         # TwinSettings keys (twin/settings.py)
+    kvlab twin --trace mooncake-conversation --profile h100-llama3-8b --block-size 64 \
+        --policies round-robin,kv-aware,dynamo-round-robin,dynamo-kv-router   # + Dynamo's own replay (twin/dynamo.py)
 
 Settings are checked before anything runs (unknown topology, policy, profile, workload or trace
 line; replicas outside 1-128; a max model length over the KV cache). A request longer than the max
@@ -29,7 +31,7 @@ from kvlab.compare.results import table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
-from kvlab.twin import output
+from kvlab.twin import dynamo, output
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
 from kvlab.twin.runner import Interrupt, Stopped, TwinResult, plans, run
@@ -50,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="YAML", help="YAML file of twin settings (flags override it)")
     p.add_argument("--topology", metavar="NAME", help="shipped topology name or YAML path (default quickstart)")
     p.add_argument("--policies", metavar="NAMES",
-                   help="routing policies compared, comma-separated, or `all` (default: the topology's)")
+                   help="routing policies compared, comma-separated, or `all` (default: the topology's); "
+                        "dynamo-round-robin, dynamo-kv-router: Dynamo's own replay beside them")
     p.add_argument("--policy", dest="policies", help=argparse.SUPPRESS)   # the old name
     p.add_argument("--replicas", type=int, metavar="N",
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
@@ -118,8 +121,8 @@ def policies_of(text: str | None) -> list[str]:
     return names
 
 
-def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
-    first = results[0].plan
+def document(first: Plan, results: list[TwinResult], replays: list[dynamo.DynamoResult],
+             argv: list[str]) -> dict[str, Any]:
     s = first.settings
     return {"command": "kvlab twin " + " ".join(argv), "source": output.SOURCE,
             "settings": msgspec.to_builtins(s), "information": msgspec.to_builtins(first.information),
@@ -133,7 +136,13 @@ def document(results: list[TwinResult], argv: list[str]) -> dict[str, Any]:
                                           "partial": r.summary.partial, "too_long": r.summary.too_long,
                                           "speculative_confirmed": r.outcome.speculative_confirmed,
                                           "speculative_expired": r.outcome.speculative_expired}
-                     for r in results}}
+                     for r in results},
+            **({"peers": {r.name: {"source": dynamo.source(), "wall_s": round(r.wall_s, 3),
+                                   "virtual_s": round(r.virtual_s, 3), "engine": dynamo.engine_args(first),
+                                   "arrival_speedup_ratio": 1 / s.time_scale,
+                                   "kv_event_lag_ms": first.information.kv_event_delay_ms,
+                                   "prefix_cache_reused_ratio": r.report.get("prefix_cache_reused_ratio")}
+                           for r in replays}} if replays else {})}
 
 
 def header(plan: Plan) -> list[str]:
@@ -154,11 +163,14 @@ def main(argv: list[str]) -> int:
     console = Console(stderr=True)
     try:
         settings = settings_of(args)
-        todo = plans(settings, policies_of(args.policies))
+        names, replays = dynamo.split(policies_of(args.policies))
+        todo = plans(settings, names) if names or not replays else []
+        first = todo[0] if todo else plans(settings, [])[0]
+        if replays:
+            dynamo.check(first)
     except ConfigError as exc:
         console.print(f"[red]kvlab twin:[/red] {exc}")
         return 2
-    first = todo[0]
     for line in header(first):
         console.print(line, highlight=False)
     results: list[TwinResult] = []
@@ -172,14 +184,18 @@ def main(argv: list[str]) -> int:
                 results.append(exc.result)
                 stopped = exc
                 break
-    if not results[-1].records:
+    if results and not results[-1].records:
         results.pop()
-    if not results:
+    if not results and (stopped is not None or not replays):
         console.print(f"[red]kvlab twin:[/red] {stopped.why if stopped else 'nothing ran'}; nothing finished")
         return 1
-    pages = write(results, argv, args.run_dir, args.no_oracle)
-    rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
-    console.print(table(first.workload.name, rows, _oracle_note(first, args.no_oracle)))
+    peers = []
+    if stopped is None:
+        for name in replays:
+            with console.status(f"{name}: Dynamo's replay of {first.settings.requests} requests"):
+                peers.append(dynamo.run(first, name))
+    pages, rows, note = write(first, results, peers, argv, args.run_dir, args.no_oracle)
+    console.print(table(first.workload.name, rows, note))
     for r in results:
         s = r.summary
         rate = len(r.records) / r.wall_s if r.wall_s else 0.0
@@ -190,7 +206,11 @@ def main(argv: list[str]) -> int:
             console.print(f"{r.plan.policy.name}: {s.too_long} requests answered 400 (longer than the max model "
                           f"length {r.plan.max_model_len:,}; the longest prompt {s.too_long_prompt_max:,} tokens)",
                           highlight=False)
-    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from the twin)")
+    for p in peers:
+        console.print(f"{p.name}: {len(p.records)} requests, {p.virtual_s:.0f} s simulated in {p.wall_s:.1f} s by "
+                      "Dynamo's replay", highlight=False)
+    source = "the twin; the (peer) rows from Dynamo's replay" if peers else "the twin"
+    console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from {source})")
     if stopped is not None:
         console.print(f"[red]kvlab twin:[/red] {stopped.why}; wrote what had finished (summary marked partial)")
         cause = stopped.__cause__
@@ -203,21 +223,28 @@ def _oracle_note(first: Plan, skipped: bool) -> str:
             else f"oracle: Belady on one pooled cache of {first.replicas} × {first.num_blocks} blocks")
 
 
-def write(results: list[TwinResult], argv: list[str], run_dir_arg: str | None, no_oracle: bool) -> dict[str, Path]:
-    """Every file of the run (docs/twin.md), in --run-dir or a new runs/<time>-twin."""
+def write(first: Plan, results: list[TwinResult], peers: list[dynamo.DynamoResult], argv: list[str],
+          run_dir_arg: str | None, no_oracle: bool) -> tuple[dict[str, Path], list[dict[str, Any]], str]:
+    """Every file of the run (docs/twin.md), in --run-dir or a new runs/<time>-twin; its table rows and note."""
     from kvlab.stack.state import new_run_dir, set_latest
 
     run_dir = Path(run_dir_arg) if run_dir_arg else new_run_dir("twin")
     run_dir.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        output.write_policy(run_dir, r.plan.policy.name, r.summary, r.records)
+    summaries = {r.plan.policy.name: r.summary for r in results} | {r.name: r.summary for r in peers}
+    records = {r.plan.policy.name: r.records for r in results} | {r.name: r.records for r in peers}
+    for name, summary in summaries.items():
+        output.write_policy(run_dir, name, summary, records[name])
     rows = [output.compare_row(r.plan.policy.name, r.summary, r.oracle) for r in results]
-    pages = output.write_pages(run_dir, document(results, argv), {r.plan.policy.name: r.summary for r in results},
-                               {r.plan.policy.name: r.records for r in results}, rows,
-                               _oracle_note(results[0].plan, no_oracle))
+    ceiling = None if no_oracle or not peers else dynamo.oracle(first, dynamo.rows_of(first))
+    rows += [output.compare_row(r.name, r.summary, ceiling, peer=True) for r in peers]
+    note = _oracle_note(first, no_oracle)
+    if peers:
+        note += f"; the (peer) rows: {dynamo.source()}"
+    pages = output.write_pages(run_dir, document(first, results, peers, argv), summaries, records, rows, note,
+                               dynamo.source() if peers else None)
     if not run_dir_arg:
         set_latest(run_dir)
-    return pages
+    return pages, rows, note
 
 
 @contextlib.contextmanager

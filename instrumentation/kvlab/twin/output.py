@@ -28,11 +28,13 @@ BANNER = (f'<p class="note" style="font-weight:bold">Every figure on this page i
           "docs/twin.md says what it models.</p>")
 
 
-def label_twin(html_path: Path) -> None:
-    """Put the twin banner under the page's heading (the renderers are the live runs')."""
+def label_twin(html_path: Path, peers: str | None = None) -> None:
+    """Put the twin banner under the page's heading (the renderers are the live runs'); `peers`:
+    which other simulator made the rows marked (peer)."""
     text = html_path.read_text(encoding="utf-8")
     head, sep, rest = text.partition("</h1>")
-    html_path.write_text(head.replace("<h1>", "<h1>[twin] ", 1) + sep + BANNER + rest if sep else text,
+    banner = BANNER.replace("</p>", f" The (peer) rows are from {peers}.</p>") if peers else BANNER
+    html_path.write_text(head.replace("<h1>", "<h1>[twin] ", 1) + sep + banner + rest if sep else text,
                          encoding="utf-8")
 
 
@@ -48,16 +50,18 @@ def write_policy(run_dir: Path, policy: str, summary: Summary, records: list[Rec
     return d
 
 
-def compare_row(policy: str, summary: Summary, ceiling: Oracle | None) -> Row:
-    """The compare.json row of one policy (replica counts from the twin's own records)."""
+def compare_row(policy: str, summary: Summary, ceiling: Oracle | None, peer: bool = False) -> Row:
+    """The compare.json row of one policy (replica counts from its own records; `peer`: another
+    project's simulator made it, twin/dynamo.py)."""
     served = {k: float(v) for k, v in summary.replicas.items()}
-    return row(policy, False, summary, ceiling, {}, served, {})
+    return row(policy, peer, summary, ceiling, {}, served, {})
 
 
 def write_pages(run_dir: Path, twin: dict[str, Any], summaries: dict[str, Summary],
-                records: dict[str, list[Record]], rows: list[Row], oracle_note: str) -> dict[str, Path]:
+                records: dict[str, list[Record]], rows: list[Row], oracle_note: str,
+                peers: str | None = None) -> dict[str, Path]:
     """compare.json (the run document, `twin` its settings), compare.html and report.html of a run
-    whose policies' summaries are already written."""
+    whose policies' summaries are already written (`peers`: the source of its peer rows)."""
     workload = twin["workload"]
     section = Section(workload=workload, oracle_note=oracle_note, routers=rows)
     document = RunDocument(id=run_dir.name, run_dir=str(run_dir), scenario="twin", command=twin["command"],
@@ -73,5 +77,5 @@ def write_pages(run_dir: Path, twin: dict[str, Any], summaries: dict[str, Summar
                           {"run": run_dir.name, "source": SOURCE, "workload": workload["name"],
                            "replicas": twin["replicas"], "seed": twin["seed"]})
     for page in (cmp_html, report):
-        label_twin(page)
+        label_twin(page, peers)
     return {"compare": cmp_html, "report": report}

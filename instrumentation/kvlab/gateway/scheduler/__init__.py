@@ -15,4 +15,5 @@ from kvlab.gateway.scheduler import (  # noqa: F401, I001  (registers the plug-i
     round_robin,
     random_choice,
     rank_blind,
+    cache_aware,
 )
