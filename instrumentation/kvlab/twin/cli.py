@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from kvlab.compare.results import table
+from kvlab.compare.results import Row, table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
@@ -224,7 +224,7 @@ def _oracle_note(first: Plan, skipped: bool) -> str:
 
 
 def write(first: Plan, results: list[TwinResult], peers: list[dynamo.DynamoResult], argv: list[str],
-          run_dir_arg: str | None, no_oracle: bool) -> tuple[dict[str, Path], list[dict[str, Any]], str]:
+          run_dir_arg: str | None, no_oracle: bool) -> tuple[dict[str, Path], list[Row], str]:
     """Every file of the run (docs/twin.md), in --run-dir or a new runs/<time>-twin; its table rows and note."""
     from kvlab.stack.state import new_run_dir, set_latest
 
