@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of twin settings (flags override it)")
     p.add_argument("--topology", help="shipped topology name or YAML path (default quickstart)")
     p.add_argument("--policy", help="comma-separated policies, or `all` (default: the topology's)")
+    p.add_argument("--epp-config", help="an llm-d/GIE EndpointPickerConfig YAML instead of --policy")
     p.add_argument("--replicas", type=int,
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
                         "replica brings its ranks; 1-128 endpoints in all")
@@ -74,7 +75,8 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     data: dict[str, Any] = dict(read_yaml(args.config) or {}) if args.config else {}
     info: dict[str, Any] = dict(data.get("information") or {})
     for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "workload", "trace", "requests",
-                "duration_s", "users", "rate", "arrival", "time_scale", "seed"):
+                "duration_s", "users", "rate", "arrival", "time_scale", "seed",
+                "epp_config"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
     if args.workload_params is not None:

@@ -19,6 +19,7 @@ from kvlab.config import Strict
 from kvlab.engine.sim.profile import LatencyProfile, get_profile
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PolicyConfig, load_policy
+from kvlab.gateway.scheduler.epp import policy_of
 from kvlab.load.arrival import Arrival, arrival
 from kvlab.load.workloads import Workload, create
 from kvlab.topology import SimSettings, Topology, builtin, load_topology
@@ -63,6 +64,7 @@ class TwinSettings(Strict, frozen=True):
 
     topology: str = "quickstart"          # a shipped name or a path
     policy: str | None = None             # None: the topology's gateway policy
+    epp_config: str | None = None         # an llm-d/GIE EndpointPickerConfig file instead of a policy
     replicas: int | None = None           # None: the topology's replicas
     profile: str | None = None            # None: the topology's sim profile
     num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
@@ -119,7 +121,8 @@ def resolve(s: TwinSettings) -> Plan:
     replicas = len(members)
     if not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
-    policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
+    policy = (policy_of(s.epp_config) if s.epp_config
+              else load_policy(s.policy or topo.gateway.policy, topo.gateway.config))
     name = s.profile or topo.sim.profile
     profile = get_profile(name)
     sim = topo.sim

@@ -15,4 +15,9 @@ from kvlab.gateway.scheduler import (  # noqa: F401, I001  (registers the plug-i
     round_robin,
     random_choice,
     rank_blind,
+    prefix_cache,
+    precise_prefix_cache,
+    kv_utilization,
+    waiting_queue,
+    epp_pickers,
 )
