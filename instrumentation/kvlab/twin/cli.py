@@ -25,6 +25,7 @@ from kvlab.compare.results import table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
+from kvlab.load.stages import parse
 from kvlab.twin import output
 from kvlab.twin.runner import TwinResult, plans, run
 from kvlab.twin.settings import TwinSettings
@@ -60,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--users", type=int, help="closed-loop users (default 8 without --rate/--trace)")
     p.add_argument("--rate", type=float, help="open loop: requests/s")
     p.add_argument("--arrival", help="poisson | constant | gamma:CV (with --rate)")
+    p.add_argument("--stages", help="a stepped ramp: RATE:SECONDS,... (inference-perf's stages; per-stage results)")
+    p.add_argument("--warmup", help="warm-up stages before --stages: RATE:SECONDS,...")
     p.add_argument("--time-scale", type=float, help="a trace's timestamps times this")
     p.add_argument("--seed", type=int)
     p.add_argument("--perfect", action="store_true", help="the router sees everything at once (upper bound)")
@@ -79,6 +82,9 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
                 "epp_config"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
+    if args.stages or args.warmup:
+        stages = (parse(args.warmup, warmup=True) if args.warmup else []) + (parse(args.stages) if args.stages else [])
+        data["stages"] = msgspec.to_builtins(stages)
     if args.workload_params is not None:
         try:
             data["workload_params"] = json.loads(args.workload_params)
@@ -159,6 +165,8 @@ def main(argv: list[str]) -> int:
     for r in results:
         console.print(f"{r.plan.policy.name}: {len(r.records)} requests, {r.outcome.virtual_s:.0f} s simulated in "
                       f"{r.wall_s:.1f} s ({len(r.records) / r.wall_s:.0f} requests/s, {r.speedup:.0f}× real time)")
+    if first.stages:
+        output.write_stages(run_dir, {r.plan.policy.name: r.summary for r in results})
     console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from the twin)")
     return 0
 

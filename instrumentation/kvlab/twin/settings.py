@@ -9,6 +9,7 @@ every lag off: the router's upper bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -21,6 +22,7 @@ from kvlab.errors import ConfigError
 from kvlab.gateway.config import PolicyConfig, load_policy
 from kvlab.gateway.scheduler.epp import policy_of
 from kvlab.load.arrival import Arrival, arrival
+from kvlab.load.stages import Stage, bound
 from kvlab.load.workloads import Workload, create
 from kvlab.topology import SimSettings, Topology, builtin, load_topology
 
@@ -78,6 +80,8 @@ class TwinSettings(Strict, frozen=True):
     users: Annotated[int, msgspec.Meta(ge=1)] | None = None    # closed loop (default without rate/trace: 8)
     rate: Annotated[float, msgspec.Meta(gt=0)] | None = None   # open loop, requests/s
     arrival: str = "poisson"              # poisson | constant | gamma:CV (with rate)
+    # a stepped ramp (load/stages.py), warm-up stages first; it decides how many requests are sent
+    stages: list[Stage] = msgspec.field(default_factory=list)
     time_scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0     # a trace's timestamps times this
     seed: int = 0
     information: Information = Information()
@@ -112,6 +116,7 @@ class Plan:
     users: int | None                     # closed loop
     trace_timing: bool                    # open loop at the trace's own timestamps
     information: Information
+    stages: list[Stage] = dataclasses.field(default_factory=list)   # a stepped ramp (open loop)
 
 
 def resolve(s: TwinSettings) -> Plan:
@@ -151,11 +156,17 @@ def resolve(s: TwinSettings) -> Plan:
         raise ConfigError(f"workload {wname}: {exc}") from None
     if s.users is not None and s.rate is not None:
         raise ConfigError("give users (closed loop) or rate (open loop), not both")
+    if s.stages and (s.users is not None or s.rate is not None or s.trace is not None):
+        raise ConfigError("stages are an open-loop ramp: give stages, or users, or a rate, or a trace")
+    if s.stages:
+        if s.arrival not in ("poisson", "constant"):
+            raise ConfigError(f"stages send poisson or constant arrivals (got {s.arrival!r})")
+        s = msgspec.structs.replace(s, requests=bound(s.stages))
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
-    users = s.users if s.users is not None else (None if rate or trace_timing else 8)
+    users = s.users if s.users is not None else (None if rate or trace_timing or s.stages else 8)
     return Plan(s, topo, policy, profile, name, sim, replicas, members, blocks, workload, rate, users, trace_timing,
-                s.information.effective())
+                s.information.effective(), list(s.stages))
 
 
 def layout(topo: Topology, replicas: int | None) -> list[Member]:

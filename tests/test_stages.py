@@ -1,0 +1,44 @@
+"""Stepped open-loop ramps (load/stages.py): inference-perf's `stages: [{rate, duration}]` with a
+warm-up, sent by the twin in virtual time, with per-stage results in the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.errors import ConfigError
+from kvlab.load.stages import Stage, parse, send_times
+from kvlab.twin.runner import plans, run
+from kvlab.twin.settings import TwinSettings
+
+
+def test_send_times_follow_each_stage_rate_and_end_with_the_last():
+    stages = [Stage(rate=10, duration=2, warmup=True), Stage(rate=1, duration=4), Stage(rate=20, duration=1)]
+    times = list(send_times(stages, "constant", 0))
+    assert [sum(a <= t < b for t in times) for a, b in ((0, 2), (2, 6), (6, 7))] == [20, 4, 20]
+    assert max(times) < 7
+
+
+def test_parse_and_its_errors():
+    assert parse("15:50", warmup=True) == [Stage(rate=15, duration=50, warmup=True)]
+    with pytest.raises(ConfigError, match="RATE:SECONDS"):
+        parse("15")
+    with pytest.raises(ConfigError, match="> 0"):
+        parse("0:10")
+
+
+def test_twin_reports_each_stage():
+    s = TwinSettings(workload="shared-prefix", replicas=2, stages=[Stage(rate=4, duration=3, warmup=True),
+                                                                  Stage(rate=2, duration=3), Stage(rate=8, duration=3)],
+                     workload_params={"groups": 4, "output_tokens": 8})
+    r = run(plans(s, ["kv-aware"])[0], oracle=False)
+    st = r.summary.stages
+    assert [x.rate for x in st] == [4, 2, 8] and [x.warmup for x in st] == [True, False, False]
+    assert sum(x.requests for x in st) == len(r.records)
+    assert st[2].requests > st[1].requests            # 8/s sends more than 2/s over the same 3 s
+    assert st[2].hit_rate > 0 and st[2].kv_usage_mean is not None and st[2].ttft_p90_s is not None
+
+
+def test_twin_cli_refuses_stages_with_a_rate(capsys):
+    from kvlab.twin.cli import main
+    assert main(["--stages", "2:3", "--rate", "2"]) == 2
+    assert "stages" in capsys.readouterr().err
