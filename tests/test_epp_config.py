@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import test_gateway
 from conftest import free_port
 from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError
@@ -21,7 +22,7 @@ from kvlab.gateway.config import epp_path, load_policy
 from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import Candidate, RouteRequest
-from kvlab.gateway.scheduler.epp import policy_of
+from kvlab.gateway.scheduler.epp import load, policy_of
 from kvlab.gateway.scheduler.precise_prefix_cache import PrecisePrefixCacheScorer
 from kvlab.gateway.scheduler.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from kvlab.gateway.scheduler.waiting_queue import QueueScorer
@@ -58,11 +59,11 @@ def test_anchor_files_build_upstreams_scorers_weights_and_index():
     assert _weights(p)[:2] == ({"precise-prefix-cache-scorer": 3.0, "kv-cache-utilization-scorer": 2.0,
                                 "queue-scorer": 2.0}, "MaxScorePicker")
     assert (p.index.kind, p.index.default_block_size) == ("precise", 64)
-    assert load_policy("llm-d-precise") == p     # a policy name points at the shipped file
+    assert load("llm-d-precise") == p     # a policy name points at the shipped file
 
 
 def test_kv_aware_written_as_an_endpoint_picker_config_builds_the_same_ranker():
-    ours, theirs = load_policy("kv-aware"), load_policy("kv-aware-epp")
+    ours, theirs = load_policy("kv-aware"), load("kv-aware-epp")
     w1, pick1, r1 = _weights(ours)
     w2, pick2, r2 = _weights(theirs)
     assert (w1, pick1) == (w2, pick2)
@@ -122,7 +123,8 @@ def test_twin_runs_the_anchor_files_unchanged(path, tmp_path):
     assert summary["ok"] == 20
 
 
-def test_gateway_serves_with_the_approximate_anchor_file_and_keeps_a_group_together():
+def test_gateway_serves_with_the_approximate_anchor_file_and_keeps_a_group_together(monkeypatch):
+    monkeypatch.setattr(test_gateway, "load_policy", load)   # the harness loads its policy by name
     async def go():
         async with Harness("llm-d-approximate") as h:
             seen = set()

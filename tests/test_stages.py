@@ -42,3 +42,4 @@ def test_twin_cli_refuses_stages_with_a_rate(capsys):
     from kvlab.twin.cli import main
     assert main(["--stages", "2:3", "--rate", "2"]) == 2
     assert "stages" in capsys.readouterr().err
+

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError, KvlabError
-from kvlab.gateway.config import EPP_PRESETS, PRESETS, PolicyConfig, load_policy
+from kvlab.gateway.config import EPP_PRESETS, PRESETS, PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, StaticDiscovery
-from kvlab.gateway.scheduler.epp import policy_of
+from kvlab.gateway.scheduler.epp import load, policy_of
 from kvlab.lifecycle import announce_ready, run, stop_requested
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def run_server(args: argparse.Namespace, prog: str, service: str, serve: Serve, 
     until SIGTERM with tracing set up as `service`; `kvlab gateway` and `kvlab epp` both start so."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = policy_of(args.epp_config) if args.epp_config else load_policy(args.policy, args.config)
+        cfg = policy_of(args.epp_config) if args.epp_config else load(args.policy, args.config)
         disc = discovery(args, cfg)
         tok = token_source(args, cfg)
     except KvlabError as exc:

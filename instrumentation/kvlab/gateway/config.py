@@ -162,9 +162,6 @@ def load_policy(name: str | None, config_file: str | Path | None = None) -> Poli
         name = name or preset
     if not name:
         raise ConfigError("no policy: pass --policy NAME or set `preset:` in the config file")
-    if name in EPP_PRESETS and not config_file:
-        from kvlab.gateway.scheduler.epp import policy_of
-        return policy_of(epp_path(name))
     path = preset_path(name)
     if name not in PRESETS or not path.is_file():
         if config_file and "name" in over:   # a fully custom policy

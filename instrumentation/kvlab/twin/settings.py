@@ -19,8 +19,8 @@ import msgspec
 from kvlab.config import Strict
 from kvlab.engine.sim.profile import LatencyProfile, get_profile
 from kvlab.errors import ConfigError
-from kvlab.gateway.config import PolicyConfig, load_policy
-from kvlab.gateway.scheduler.epp import policy_of
+from kvlab.gateway.config import PolicyConfig
+from kvlab.gateway.scheduler.epp import load, policy_of
 from kvlab.load.arrival import Arrival, arrival
 from kvlab.load.stages import Stage, bound
 from kvlab.load.workloads import Workload, create
@@ -127,7 +127,7 @@ def resolve(s: TwinSettings) -> Plan:
     if not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
     policy = (policy_of(s.epp_config) if s.epp_config
-              else load_policy(s.policy or topo.gateway.policy, topo.gateway.config))
+              else load(s.policy or topo.gateway.policy, topo.gateway.config))
     name = s.profile or topo.sim.profile
     profile = get_profile(name)
     sim = topo.sim

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from kvlab.errors import ConfigError
-from kvlab.gateway.config import IndexSettings, PolicyConfig
+from kvlab.gateway.config import EPP_PRESETS, IndexSettings, PolicyConfig, epp_path, load_policy
 from kvlab.gateway.epp_config import EndpointPickerConfig, PluginSpec, read
 from kvlab.gateway.scheduler.base import Filter, Picker, Plugin, Ranker, Scorer
 from kvlab.gateway.scheduler.epp_pickers import MaxScorePicker
@@ -86,3 +86,11 @@ def policy_of(path: str | Path) -> PolicyConfig:
     index = IndexSettings(kind="approximate" if kinds == {"approximate"} else "precise",
                           default_block_size=blocks[0] if blocks else IndexSettings().default_block_size)
     return PolicyConfig(name=p.stem, description=f"EndpointPickerConfig {p.name}", index=index, epp=cfg)
+
+
+def load(name: str | None, config_file: str | Path | None = None) -> PolicyConfig:
+    """A policy by name: a shipped EndpointPickerConfig (kvlab/assets/epp/<name>.yaml) or a kvlab
+    preset with `config_file` merged over it (config.load_policy)."""
+    if name in EPP_PRESETS and not config_file:
+        return policy_of(epp_path(name))
+    return load_policy(name, config_file)
