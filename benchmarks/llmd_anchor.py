@@ -92,7 +92,7 @@ def main() -> None:
             cells.append(f"{st['ttft_p90_s']} ({pub})")
         fh = rows.get("llm-d-approximate")
         print(f"| {rate} | " + " | ".join(cells) + f" | {fh[i + 1]['false_hit_rate'] if fh else '-'} |")
-    print("| pooled | " + " | ".join(f"{pooled[n]} ({PUBLISHED_POOLED.get(n)})" for n in names) + " | |")
+    print("| pooled | " + " | ".join(f"{pooled[n]:.3g} ({PUBLISHED_POOLED.get(n)})" for n in names) + " | |")
     if pooled.get("llm-d-precise") and pooled.get("llm-d-approximate"):
         print(f"approximate / precise pooled p90: {pooled['llm-d-approximate'] / pooled['llm-d-precise']:.1f}x "
               f"(published {PUBLISHED_POOLED['llm-d-approximate'] / PUBLISHED_POOLED['llm-d-precise']:.0f}x)")

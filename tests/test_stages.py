@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab.errors import ConfigError
-from kvlab.load.stages import Stage, parse, send_times
+from kvlab.load.measure import Record
+from kvlab.load.stages import Stage, parse, results, send_times
 from kvlab.twin.runner import plans, run
 from kvlab.twin.settings import TwinSettings
 
@@ -36,6 +37,13 @@ def test_twin_reports_each_stage():
     assert sum(x.requests for x in st) == len(r.records)
     assert st[2].requests > st[1].requests            # 8/s sends more than 2/s over the same 3 s
     assert st[2].hit_rate > 0 and st[2].kv_usage_mean is not None and st[2].ttft_p90_s is not None
+
+
+def test_output_throughput_counts_tokens_delivered_in_the_stage():
+    # one request sent at 0 s, first token at 1 s, last at 3 s: 20 tokens, 10 in each of the 1-2 and 2-4 s stages
+    recs = [Record(ts=0.0, ttft_ms=1000.0, e2e_ms=3000.0, output_tokens=20, prompt_tokens=10)]
+    st = results(recs, [Stage(rate=1, duration=1), Stage(rate=1, duration=1), Stage(rate=1, duration=2)])
+    assert [x.output_tok_s for x in st] == [0.0, 10.0, 5.0] and [x.requests for x in st] == [1, 0, 0]
 
 
 def test_twin_cli_refuses_stages_with_a_rate(capsys):

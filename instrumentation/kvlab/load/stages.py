@@ -69,12 +69,28 @@ class StageResult(Strict, frozen=True):
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
-    output_tok_s: float            # output tokens of the stage's requests / its duration
+    output_tok_s: float            # output tokens delivered during the stage (any request's) / its duration
     hit_rate: float                # cached / prompt tokens, as the engines reported them
     false_hit_rate: float          # predicted but not delivered (the index's stale claims) / prompt tokens
     kv_usage_mean: float | None    # over replicas and scrapes in the stage
     kv_usage_p90: float | None
     waiting_mean: float | None     # per replica
+
+
+def _delivered(records: Sequence[Record], start: float, end: float) -> float:
+    """Output tokens delivered in [start, end): each request's tokens spread evenly from its first
+    token to its last (a record keeps TTFT and end-to-end time, not every token's time)."""
+    total = 0.0
+    for r in records:
+        if r.ttft_ms is None or r.e2e_ms is None or not r.output_tokens:
+            continue
+        first, last = r.ts + r.ttft_ms / 1000.0, r.ts + r.e2e_ms / 1000.0
+        if last <= first:
+            total += r.output_tokens if start <= first < end else 0
+            continue
+        overlap = min(last, end) - max(first, start)
+        total += r.output_tokens * max(overlap, 0.0) / (last - first)
+    return total
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -96,7 +112,7 @@ def results(records: Sequence[Record], stages: Sequence[Stage],
         wait = [v for t, _, w in samples if start <= t < end for v in w]
         out.append(StageResult(rate=st.rate, duration_s=st.duration, warmup=st.warmup, requests=len(rs),
                                ttft_p50_s=_p(ttft, 50), ttft_p90_s=_p(ttft, 90), ttft_p99_s=_p(ttft, 99),
-                               output_tok_s=round(sum(r.output_tokens or 0 for r in rs) / st.duration, 1),
+                               output_tok_s=round(_delivered(records, start, end) / st.duration, 1),
                                hit_rate=round(sum(r.cached_tokens or 0 for r in rs) / prompt, 4),
                                false_hit_rate=round(false / prompt, 4),
                                kv_usage_mean=round(float(np.mean(kv)), 4) if kv else None,
