@@ -29,7 +29,7 @@ import msgspec
 
 from kvlab.load.stages import Stage
 from kvlab.twin.runner import plans, run
-from kvlab.twin.settings import TwinSettings
+from kvlab.twin.settings import Information, TwinSettings
 
 WARMUP = (15.0, 50.0)
 STAGES = [(3, 20), (10, 20), (15, 20), (20, 38), (22, 34), (25, 30), (30, 25), (35, 21), (40, 38), (43, 36),
@@ -45,13 +45,13 @@ PUBLISHED_POOLED = {"llm-d-precise": 0.542, "llm-d-approximate": 31.083, "random
 COLUMN = {"llm-d-precise": 0, "llm-d-approximate": 1, "random": 2}
 
 
-def settings(output_tokens: int, scale: float, seed: int) -> TwinSettings:
+def settings(output_tokens: int, scale: float, seed: int, overhead_ms: float) -> TwinSettings:
     stages = [Stage(rate=WARMUP[0], duration=WARMUP[1] * scale, warmup=True)]
     stages += [Stage(rate=float(r), duration=d * scale) for r, d in STAGES]
     return TwinSettings(profile="h100-qwen3-32b-tp2", replicas=8, block_size=64, workload="shared-prefix",
                         workload_params={"groups": 150, "prompts_per_group": 5, "system_tokens": 6000,
                                          "question_tokens": 1200, "output_tokens": output_tokens},
-                        stages=stages, seed=seed)
+                        stages=stages, seed=seed, information=Information(request_overhead_ms=overhead_ms))
 
 
 def main() -> None:
@@ -60,13 +60,16 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=254)
     ap.add_argument("--scale", type=float, default=1.0, help="stage durations times this (1: upstream's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-overhead-ms", type=float, default=1.0,
+                    help="fixed client-to-engine time per request (the twin's default: kvlab's own gateway)")
     ap.add_argument("--out", default="runs/llmd-anchor", help="per-policy stage results (JSON) go here")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {}
     pooled: dict[str, float | None] = {}
-    for plan in plans(settings(args.output_tokens, args.scale, args.seed), args.policies.split(",")):
+    base = settings(args.output_tokens, args.scale, args.seed, args.request_overhead_ms)
+    for plan in plans(base, args.policies.split(",")):
         t0 = time.perf_counter()
         r = run(plan, oracle=False)
         name = plan.policy.name
