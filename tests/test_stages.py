@@ -3,6 +3,8 @@ warm-up, sent by the twin in virtual time, with per-stage results in the summary
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvlab.errors import ConfigError
@@ -51,3 +53,26 @@ def test_twin_cli_refuses_stages_with_a_rate(capsys):
     assert main(["--stages", "2:3", "--rate", "2"]) == 2
     assert "stages" in capsys.readouterr().err
 
+
+
+def test_live_load_sends_the_stages_and_reports_them():
+    import argparse
+
+    from kvlab.load.options import add_arguments, check, specs
+    from kvlab.load.runner import locust_argv, per_stage
+    from kvlab.load.spec import BenchSpec
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--users", type=int)
+    add_arguments(p)
+    args = p.parse_args(["--stages", "2:3,6:1"])
+    check(args)
+    (spec,) = specs(args, BenchSpec())
+    assert spec.open_loop and spec.duration_s == 4 and [s.rate for s in spec.stages] == [2, 6]
+    argv = locust_argv("http://x", Path("/tmp"), spec, 4)
+    assert argv[argv.index("--stages") + 1] == "2:3,6:1"
+    with pytest.raises(ConfigError, match="--stages"):
+        check(p.parse_args(["--stages", "2:3", "--rate", "1"]))
+    # live send times are unix seconds: stages count from the first send
+    recs = [Record(ts=1000.0 + t, prompt_tokens=1) for t in (0, 1, 2, 3.5)]
+    assert [s.requests for s in per_stage(recs, spec.stages)] == [3, 1]
