@@ -3,6 +3,7 @@ warm-up, sent by the twin in virtual time, with per-stage results in the summary
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,13 @@ def test_live_load_sends_the_stages_and_reports_them():
     # live send times are unix seconds: stages count from the first send
     recs = [Record(ts=1000.0 + t, prompt_tokens=1) for t in (0, 1, 2, 3.5)]
     assert [s.requests for s in per_stage(recs, spec.stages)] == [3, 1]
+
+
+def test_twin_cli_writes_the_per_stage_figure(tmp_path):
+    from kvlab.twin.cli import main
+    assert main(["--policy", "kv-aware", "--workload", "shared-prefix", "--replicas", "2", "--no-oracle",
+                 "--warmup", "2:2", "--stages", "2:2,4:2", "--workload-params", '{"groups": 4, "output_tokens": 8}',
+                 "--out", str(tmp_path)]) == 0
+    assert "TTFT p90" in (tmp_path / "stages.html").read_text()
+    stages = json.loads((tmp_path / "kv-aware" / "summary.json").read_text())["stages"]
+    assert [(s["rate"], s["warmup"]) for s in stages] == [(2, True), (2, False), (4, False)]
