@@ -123,10 +123,12 @@ def test_twin_runs_the_anchor_files_unchanged(path, tmp_path):
     assert summary["ok"] == 20
 
 
-def test_gateway_serves_with_the_approximate_anchor_file_and_keeps_a_group_together(monkeypatch):
+@pytest.mark.parametrize("name", ["llm-d-approximate", "llm-d-precise"])
+def test_gateway_serves_with_an_anchor_file_and_keeps_a_group_together(name, monkeypatch):
     monkeypatch.setattr(test_gateway, "load_policy", load)   # the harness loads its policy by name
+
     async def go():
-        async with Harness("llm-d-approximate") as h:
+        async with Harness(name) as h:
             seen = set()
             for q in range(4):
                 status, headers, _ = await h.post("/v1/chat/completions", {
@@ -134,7 +136,8 @@ def test_gateway_serves_with_the_approximate_anchor_file_and_keeps_a_group_toget
                                                                 {"role": "user", "content": f"question {q}"}]})
                 assert status == 200
                 seen.add(headers["x-kvlab-replica"])
-            assert h.gw.router.ranker.scorers[2][0].name == "prefix-cache-scorer"
+            assert {s.name for s, _ in h.gw.router.ranker.scorers} & {"prefix-cache-scorer",
+                                                                      "precise-prefix-cache-scorer"}
             return seen
     assert len(run(go())) == 1
 
@@ -152,11 +155,12 @@ def test_cli_refuses_an_unknown_plugin_with_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.processes
-def test_epp_starts_with_the_precise_anchor_file(tmp_path):
+@pytest.mark.parametrize("path", [APPROX, PRECISE])
+def test_epp_starts_with_an_anchor_file(path, tmp_path):
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli", "epp", "--port", str(free_port()),
                              "--metrics-port", str(free_port()), "--endpoints", "a=http://127.0.0.1:9",
-                             "--epp-config", PRECISE, "--ready-file", str(ready)],
+                             "--epp-config", path, "--ready-file", str(ready)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
     try:
@@ -165,6 +169,6 @@ def test_epp_starts_with_the_precise_anchor_file(tmp_path):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "epp did not become ready"
             time.sleep(0.05)
-        assert json.loads(ready.read_text())["policy"] == "llm-d-precise"
+        assert json.loads(ready.read_text())["policy"] == Path(path).stem
     finally:
         terminate(proc, 15)
