@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.contract import Endpoint
 from kvlab.errors import ConfigError, KvlabError
-from kvlab.gateway.config import PRESETS, PolicyConfig, load_policy
+from kvlab.gateway.config import EPP_PRESETS, PRESETS, PolicyConfig
 from kvlab.gateway.discovery.base import Discovery, StaticDiscovery
+from kvlab.gateway.scheduler.epp import load, policy_of
 from kvlab.lifecycle import announce_ready, run, stop_requested
 
 if TYPE_CHECKING:
@@ -31,8 +32,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoints", default="", help="[NAME=]URL[,...] of the replicas")
     p.add_argument("--kv-events", default="", help="NAME_OR_URL=tcp://HOST:PORT[,...]")
     p.add_argument("--endpoints-file", help="the engines' ready JSON ({'replicas': [Endpoint...]})")
-    p.add_argument("--policy", choices=PRESETS, help="policy preset (default: the config file's `preset`)")
+    p.add_argument("--policy", choices=PRESETS + EPP_PRESETS,
+                   help="policy preset (default: the config file's `preset`)")
     p.add_argument("--config", help="policy YAML merged over the preset (docs/gateway.md)")
+    p.add_argument("--epp-config",
+                   help="an llm-d/GIE EndpointPickerConfig YAML: its plug-ins schedule (docs/gateway.md)")
     p.add_argument("--model", help="served model name (informational; replicas validate it)")
     p.add_argument("--tokenizer", help="HF tokenizer directory (default: kvlab's own)")
     p.add_argument("--tokenize-via", choices=("local", "engine"), default="local",
@@ -147,7 +151,7 @@ def run_server(args: argparse.Namespace, prog: str, service: str, serve: Serve, 
     until SIGTERM with tracing set up as `service`; `kvlab gateway` and `kvlab epp` both start so."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_policy(args.policy, args.config)
+        cfg = policy_of(args.epp_config) if args.epp_config else load(args.policy, args.config)
         disc = discovery(args, cfg)
         tok = token_source(args, cfg)
     except KvlabError as exc:

@@ -17,6 +17,7 @@ from kvlab.config import Strict, convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.autoscale import AutoscaleSettings
 from kvlab.gateway.chunked.settings import ChunkedSettings
+from kvlab.gateway.epp_config import EndpointPickerConfig
 from kvlab.gateway.pull import PullSettings
 from kvlab.gateway.retention import RetentionSettings
 
@@ -24,6 +25,8 @@ PRESETS = ("round-robin", "random", "least-load", "prefix", "kv-aware", "dp-awar
            "kv-aware-unified", "kv-aware-gpu-only", "kv-aware-pull", "kv-aware-chunked", "kv-aware-chunked-16",
            "kv-aware-chunked-256", "kv-aware-typed", "kv-aware-pin-all", "kv-aware-affinity",
            "vllm-router-cache-aware")
+# EndpointPickerConfig files shipped in kvlab/assets/epp/ (llm-d's anchor, docs/twin.md "Anchors")
+EPP_PRESETS = ("llm-d-approximate", "llm-d-precise", "kv-aware-epp")
 
 
 class Weights(Strict, frozen=True):
@@ -134,10 +137,17 @@ class PolicyConfig(Strict, frozen=True):
     chunked: ChunkedSettings = ChunkedSettings()         # chunked decoding, off by default (docs/chunked-decoding.md)
     retention: RetentionSettings = RetentionSettings()   # typed retention directives (docs/semantic-kv.md)
     cache_aware: CacheAwareSettings = CacheAwareSettings()   # the `cache-aware` picker (vllm-router's policy)
+    # set: an llm-d/GIE EndpointPickerConfig decides, with its own plug-ins (gateway/scheduler/epp.py)
+    epp: EndpointPickerConfig | None = None
 
 
 def preset_path(name: str) -> Path:
     return Path(str(resources.files("kvlab") / "assets" / "policies" / f"{name}.yaml"))
+
+
+def epp_path(name: str) -> Path:
+    """A shipped EndpointPickerConfig (kvlab/assets/epp/<name>.yaml), which a policy name can point at."""
+    return Path(str(resources.files("kvlab") / "assets" / "epp" / f"{name}.yaml"))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -167,7 +177,7 @@ def load_policy(name: str | None, config_file: str | Path | None = None) -> Poli
     if name not in PRESETS or not path.is_file():
         if config_file and "name" in over:   # a fully custom policy
             return convert(over, PolicyConfig, str(config_file))
-        raise ConfigError(f"unknown policy {name!r}; presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown policy {name!r}; presets: {', '.join(PRESETS + EPP_PRESETS)}")
     data = _merge(_read(path), over)
     return convert(data, PolicyConfig, str(config_file or path))
 

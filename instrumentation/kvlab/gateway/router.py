@@ -68,7 +68,7 @@ class Router:
         t1 = time.perf_counter()
         prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
         cpu = self.cpu_only(replicas, keys_by_size, prefix, sizes, index_of)
-        decision = self.ranker.schedule(RouteRequest(len(tokens)), replicas, prefix, speculative, cpu)
+        decision = self.ranker.schedule(RouteRequest(len(tokens), tokens), replicas, prefix, speculative, cpu)
         pull = self.pull(decision, len(tokens))
         self.learn(decision.chosen.replica, keys_by_size, sizes)
         return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull)

@@ -24,6 +24,7 @@ from locust import events
 
 from kvlab.load import users
 from kvlab.load.arrival import arrival
+from kvlab.load.stages import parse, send_times
 from kvlab.load.users import ChatUser
 from kvlab.load.workloads import NAMES, create
 from kvlab.stack.base import read_info
@@ -64,6 +65,8 @@ def _options(parser: Any) -> None:
                         help="open loop: requests/s (0: closed loop, each user sends when its last reply ends)")
     parser.add_argument("--arrival", default="poisson", env_var="KVLAB_ARRIVAL",
                         help="open loop: poisson | constant | gamma:CV")
+    parser.add_argument("--stages", default="", env_var="KVLAB_STAGES",
+                        help="open loop, a stepped ramp: RATE:SECONDS,... sent by --arrival (load/stages.py)")
     parser.add_argument("--time-scale", type=float, default=0.0, env_var="KVLAB_TIME_SCALE",
                         help="open loop, trace workload: its timestamps times this (0: not a trace replay)")
     parser.add_argument("--requests-out", default="", env_var="KVLAB_REQUESTS_OUT",
@@ -106,6 +109,8 @@ def _schedule(workload: Any, opts: Any) -> Iterator[float] | None:
     """The open loop's send times (seconds from the start); None for closed-loop users."""
     if opts.time_scale > 0:
         return workload.offsets(opts.time_scale)   # type: ignore[no-any-return]  # the trace workload's
+    if opts.stages:
+        return send_times(parse(opts.stages), opts.arrival, opts.seed)
     if opts.rate > 0:
         return itertools.accumulate(arrival(opts.rate, opts.arrival).gaps(opts.seed), initial=0.0)
     return None

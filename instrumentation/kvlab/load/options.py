@@ -17,6 +17,7 @@ import msgspec
 from kvlab.errors import ConfigError
 from kvlab.load.arrival import PROCESSES, arrival, rates
 from kvlab.load.spec import BenchSpec
+from kvlab.load.stages import parse
 from kvlab.load.summary import Slo
 from kvlab.load.workloads.trace import NAMED, resolve
 
@@ -28,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
                                               "finished (instead of --users)")
     if sweep:
         g.add_argument("--rates", help="open loop, a sweep: comma-separated requests/s, one phase per rate")
+    g.add_argument("--stages", help="open loop, a stepped ramp: RATE:SECONDS,... (inference-perf's stages; "
+                                    "per-stage results in summary.json)")
     g.add_argument("--arrival", help=f"open loop: the arrival process, {' | '.join(PROCESSES)} (default poisson)")
     g.add_argument("--trace", help=f"replay a Mooncake JSONL trace: {' | '.join(NAMED)} or a file")
     g.add_argument("--time-scale", type=float, help="--trace: its timestamps times this (default 1; 2 = half the "
@@ -56,7 +59,11 @@ def check(args: argparse.Namespace) -> None:
     sweep = _rates(args)
     if sweep and args.users is not None:
         raise ConfigError("--rate/--rates send at a rate (open loop); --users runs closed-loop users: give one")
-    if args.arrival is not None:
+    if getattr(args, "stages", None):
+        if sweep or args.users is not None or args.trace:
+            raise ConfigError("--stages is an open-loop ramp: not with --rate/--rates, --users or --trace")
+        parse(args.stages)
+    if args.arrival is not None and not getattr(args, "stages", None):
         if not sweep:
             raise ConfigError("--arrival needs --rate or --rates")
         if args.trace:
@@ -93,6 +100,10 @@ def specs(args: argparse.Namespace, spec: BenchSpec) -> list[BenchSpec]:
     replays its own timing; else `spec` itself (closed-loop users). Run `check` first."""
     slo = Slo(ttft_ms=args.slo_ttft, tpot_ms=args.slo_tpot)
     sweep = _rates(args)
+    if getattr(args, "stages", None):
+        stages = parse(args.stages)
+        return [msgspec.structs.replace(spec, stages=stages, duration_s=sum(s.duration for s in stages), slo=slo,
+                                        users=1, arrival=None)]
     if sweep:
         return [msgspec.structs.replace(spec, arrival=arrival(r, args.arrival or "poisson"), slo=slo, users=1)
                 for r in sweep]

@@ -18,6 +18,7 @@ from kvlab.errors import StackError
 from kvlab.lifecycle import terminate
 from kvlab.load.measure import Record, record_of
 from kvlab.load.spec import BenchSpec
+from kvlab.load.stages import Stage, StageResult, results
 from kvlab.load.summary import OpenLoop, Summary, open_loop, summarize
 from kvlab.load.workloads.trace import Trace
 from kvlab.process import Child
@@ -71,7 +72,8 @@ def locust_argv(target: str, out_dir: Path, spec: BenchSpec, run_time_s: float, 
             "--workload", spec.workload, "--workload-params", json.dumps(spec.params), "--seed", str(spec.seed),
             "--model", spec.model, "--phase", phase, "--policy", policy,
             "--requests-out", str(out_dir / "requests.jsonl"),
-            "--rate", str(rate), "--arrival", process, "--time-scale", str(time_scale)]
+            "--rate", str(rate), "--arrival", process, "--time-scale", str(time_scale),
+            *(["--stages", ",".join(f"{s.rate:g}:{s.duration:g}" for s in spec.stages)] if spec.stages else [])]
 
 
 def stop_timeout(spec: BenchSpec, run_time_s: float) -> int:
@@ -92,6 +94,12 @@ def schedule(spec: BenchSpec) -> tuple[float, str, float]:
     return 0.0, "poisson", 0.0
 
 
+def per_stage(records: list[Record], stages: list[Stage]) -> list[StageResult]:
+    """A live ramp's per-stage results: send times from the first scheduled send (the ramp's 0)."""
+    t0 = min((r.ts for r in records), default=0.0)
+    return results([msgspec.structs.replace(r, ts=r.ts - t0) for r in records], stages)
+
+
 def offered(spec: BenchSpec, records: list[Record], duration_s: float) -> OpenLoop | None:
     """The open-loop part of a phase's summary (None for closed-loop users)."""
     if not spec.open_loop:
@@ -100,6 +108,9 @@ def offered(spec: BenchSpec, records: list[Record], duration_s: float) -> OpenLo
     if time_scale:
         trace_rate = Trace(seed=spec.seed, params=spec.params).rate
         return open_loop(records, trace_rate / time_scale, "trace", round(time_scale, 6), duration_s)
+    if spec.stages:   # the ramp's mean offered rate
+        rate = sum(s.rate * s.duration for s in spec.stages) / sum(s.duration for s in spec.stages)
+        process = "stages"
     return open_loop(records, rate, process, duration_s=duration_s)
 
 
@@ -189,7 +200,8 @@ def run_bench(target: str, out_dir: str | Path, spec: BenchSpec, *, phase: str =
         open_loop=offered(spec, records, duration_s), phase=phase, policy=policy, target=target,
         users=None if spec.open_loop else users, seed=spec.seed,
         workload=spec.workload, workload_params=spec.params, configured_duration_s=duration_s,
-        min_requests=min_requests, limit_s=limit_s if min_requests else None)
+        min_requests=min_requests, limit_s=limit_s if min_requests else None,
+        stages=per_stage(records, spec.stages) if spec.stages else None)
     (out / "summary.json").write_text(summary.to_json())
     if min_requests and summary.ok < min_requests:
         raise StackError(f"phase {phase or policy or '?'} completed {summary.ok} of the {min_requests} requests "

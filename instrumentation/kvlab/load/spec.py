@@ -9,6 +9,7 @@ import msgspec
 from kvlab.config import Strict
 from kvlab.load.arrival import Arrival
 from kvlab.load.ramp import Ramp
+from kvlab.load.stages import Stage
 from kvlab.load.summary import Slo
 
 
@@ -34,6 +35,7 @@ class BenchSpec(Strict, frozen=True):
     min_requests: int = 0
     limit_s: float | None = None
     arrival: Arrival | None = None
+    stages: list[Stage] = msgspec.field(default_factory=list)   # a stepped open-loop ramp (load/stages.py)
     time_scale: Annotated[float, msgspec.Meta(gt=0)] | None = None
     slo: Slo = msgspec.field(default_factory=Slo)
     trace_sample_ratio: float = 1.0     # < 1: the client samples this share of traces (the topology's
@@ -42,4 +44,4 @@ class BenchSpec(Strict, frozen=True):
     @property
     def open_loop(self) -> bool:
         """Whether requests go at scheduled times (a rate, or a trace's timestamps)."""
-        return self.arrival is not None or self.time_scale is not None
+        return self.arrival is not None or self.time_scale is not None or bool(self.stages)

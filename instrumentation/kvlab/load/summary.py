@@ -17,6 +17,7 @@ import numpy as np
 
 from kvlab.engine.sim.length import TOO_LONG
 from kvlab.load.measure import UNFINISHED, Record
+from kvlab.load.stages import StageResult
 
 SCHEMA_VERSION = 1
 
@@ -127,6 +128,7 @@ class Summary(msgspec.Struct, kw_only=True):
     configured_duration_s: float | None = None
     min_requests: int | None = None
     limit_s: float | None = None
+    stages: list[StageResult] | None = None   # a stepped ramp's per-stage results (load/stages.py)
 
     def to_json(self) -> str:
         """summary.json's text (indented, like every JSON file of a run)."""

@@ -31,6 +31,7 @@ from kvlab.compare.results import Row, table
 from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
+from kvlab.load.stages import parse
 from kvlab.twin import dynamo, output
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
@@ -55,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
                    help="routing policies compared, comma-separated, or `all` (default: the topology's); "
                         "dynamo-round-robin, dynamo-kv-router: Dynamo's own replay beside them")
     p.add_argument("--policy", dest="policies", help=argparse.SUPPRESS)   # the old name
+    p.add_argument("--epp-config", metavar="YAML", help="an llm-d/GIE EndpointPickerConfig YAML instead of --policies")
     p.add_argument("--replicas", type=int, metavar="N",
                    help="replicas (default: the topology's); a P/D topology keeps its pools' ratio, a data-parallel "
                         "replica brings its ranks; 1-128 endpoints in all")
@@ -78,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--users", type=int, metavar="N", help="closed-loop users (default 8 without --rate/--trace)")
     p.add_argument("--rate", type=float, metavar="RPS", help="open loop: requests/s")
     p.add_argument("--arrival", metavar="KIND", help="poisson | constant | gamma:CV (with --rate)")
+    p.add_argument("--stages", metavar="RATE:SECONDS,...",
+                   help="a stepped ramp (inference-perf's stages; per-stage results)")
+    p.add_argument("--warmup", metavar="RATE:SECONDS,...", help="warm-up stages before --stages")
     p.add_argument("--time-scale", type=float, metavar="FACTOR", help="a trace's timestamps times this")
     p.add_argument("--seed", type=int, metavar="N", help="seed of the workload, arrivals and engines (default 0)")
     p.add_argument("--perfect", action="store_true", help="the router sees everything at once (upper bound)")
@@ -94,10 +99,12 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     data: dict[str, Any] = dict(read_yaml(args.config) or {}) if args.config else {}
     info: dict[str, Any] = dict(data.get("information") or {})
     for key in ("topology", "replicas", "profile", "num_blocks", "block_size", "max_model_len", "workload", "trace",
-                "requests",
-                "duration_s", "users", "rate", "arrival", "time_scale", "seed"):
+                "requests", "duration_s", "users", "rate", "arrival", "time_scale", "seed", "epp_config"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
+    if args.stages or args.warmup:
+        stages = (parse(args.warmup, warmup=True) if args.warmup else []) + (parse(args.stages) if args.stages else [])
+        data["stages"] = msgspec.to_builtins(stages)
     if args.workload_params is not None:
         try:
             data["workload_params"] = json.loads(args.workload_params)
@@ -242,6 +249,8 @@ def write(first: Plan, results: list[TwinResult], peers: list[dynamo.DynamoResul
         note += f"; the (peer) rows: {dynamo.source()}"
     pages = output.write_pages(run_dir, document(first, results, peers, argv), summaries, records, rows, note,
                                dynamo.source() if peers else None)
+    if first.stages:
+        output.write_stages(run_dir, {r.plan.policy.name: r.summary for r in results})
     if not run_dir_arg:
         set_latest(run_dir)
     return pages, rows, note

@@ -43,6 +43,7 @@ from kvlab.kvcache.events import Event
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
+from kvlab.load.stages import send_times
 from kvlab.twin.feed import Feed, Prompt
 from kvlab.twin.replica import Lockstep, Replica
 from kvlab.twin.settings import Plan
@@ -131,6 +132,8 @@ class Cluster:
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
         self._idle: dict[Replica, tuple[int, int]] = {}   # the watchdog: (step, empty steps in a row to it)
         self._ids = 0
+        # a stepped ramp's load view at each scrape: (seconds, KV usage, waiting per replica)
+        self.samples: list[tuple[float, list[float], list[float]]] = []
 
     def _lockstep(self, plan: Plan) -> Sampler | None:
         """Join each data-parallel (or MoE) replica's ranks in a `Lockstep` built as `kvlab engine
@@ -203,6 +206,9 @@ class Cluster:
                 self._settle_all()
                 for r in self.replicas:
                     r.scrape()
+                if self.plan.stages:
+                    self.samples.append((t / 1000.0, [r.backend.kv_usage for r in self.replicas],
+                                         [r.backend.waiting for r in self.replicas]))
                 if intake or self._flights:   # requests still to come or in flight
                     self._push(t + self.info.scrape_interval_ms, SCRAPE, None)
             elif kind == TRANSFER:
@@ -239,6 +245,9 @@ class Cluster:
             for n in itertools.count():
                 for t in offsets:
                     yield n * period + t
+        if plan.stages:
+            yield from send_times(plan.stages, plan.settings.arrival, plan.settings.seed)
+            return
         assert plan.arrival is not None
         t = 0.0
         for gap in plan.arrival.gaps(plan.settings.seed):

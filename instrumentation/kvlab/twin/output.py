@@ -79,3 +79,25 @@ def write_pages(run_dir: Path, twin: dict[str, Any], summaries: dict[str, Summar
     for page in (cmp_html, report):
         label_twin(page, peers)
     return {"compare": cmp_html, "report": report}
+
+
+def write_stages(run_dir: Path, summaries: dict[str, Summary]) -> Path:
+    """<run>/stages.html: a stepped ramp's per-stage TTFT p90, output throughput and false hits,
+    one line per policy (load/stages.py), labelled as the twin's."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("TTFT p90 (s)", "output tokens/s", "predicted but not delivered / prompt"))
+    for policy, s in summaries.items():
+        rows = [st for st in s.stages or [] if not st.warmup]
+        x = [f"{st.rate:g}" for st in rows]
+        for i, y in enumerate(([st.ttft_p90_s for st in rows], [st.output_tok_s for st in rows],
+                               [st.false_hit_rate for st in rows]), start=1):
+            fig.add_trace(go.Scatter(x=x, y=y, name=policy, legendgroup=policy, showlegend=i == 1), row=i, col=1)
+    fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_xaxes(title_text="stage rate (requests/s)", row=3, col=1)
+    fig.update_layout(title=f"[twin] per-stage results ({SOURCE})", height=900)
+    path = run_dir / "stages.html"
+    write_atomic(path, fig.to_html(include_plotlyjs="cdn"))
+    return path

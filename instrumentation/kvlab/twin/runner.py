@@ -13,6 +13,7 @@ import msgspec
 from kvlab.errors import TwinError
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Oracle, ceiling
+from kvlab.load.stages import results
 from kvlab.load.summary import Slo, Summary, open_loop, summarize
 from kvlab.twin.cluster import Cluster, Outcome
 from kvlab.twin.feed import Feed
@@ -81,7 +82,7 @@ def _result(plan: Plan, cluster: Cluster, outcome: Outcome, wall: float) -> Twin
     summary = summarize(records, Slo())
     if plan.users is None:
         offered = plan.arrival.rate if plan.arrival is not None else len(records) / max(outcome.virtual_s, 1e-9)
-        label = plan.arrival.label if plan.arrival is not None else "trace"
+        label = plan.arrival.label if plan.arrival is not None else "stages" if plan.stages else "trace"
         summary.open_loop = open_loop(records, offered, label, s.time_scale if plan.trace_timing else None,
                                       summary.duration_s)
     summary.phase = summary.policy = plan.policy.name
@@ -91,6 +92,8 @@ def _result(plan: Plan, cluster: Cluster, outcome: Outcome, wall: float) -> Twin
     summary.workload = plan.workload.name
     summary.workload_params = msgspec.to_builtins(plan.workload.params)
     summary.configured_duration_s = s.duration_s
+    if plan.stages:
+        summary.stages = results(records, plan.stages, cluster.samples)
     ceil = None
     if cluster.sent is not None:
         ceil = ceiling(cluster.sent, plan.sim.block_size, plan.replicas * plan.num_blocks)

@@ -9,6 +9,7 @@ every lag off: the router's upper bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -19,8 +20,10 @@ from kvlab.config import Strict
 from kvlab.engine.sim.length import check_cache
 from kvlab.engine.sim.profile import LatencyProfile, get_profile
 from kvlab.errors import ConfigError
-from kvlab.gateway.config import PolicyConfig, load_policy
+from kvlab.gateway.config import PolicyConfig
+from kvlab.gateway.scheduler.epp import load, policy_of
 from kvlab.load.arrival import Arrival, arrival
+from kvlab.load.stages import Stage, bound
 from kvlab.load.workloads import Workload, create
 from kvlab.topology import SimSettings, Topology, builtin, load_topology
 from kvlab.twin.fit import Fit, fitting_profile, request_lengths
@@ -65,6 +68,7 @@ class TwinSettings(Strict, frozen=True):
 
     topology: str = "quickstart"          # a shipped name or a path
     policy: str | None = None             # None: the topology's gateway policy
+    epp_config: str | None = None         # an llm-d/GIE EndpointPickerConfig file instead of a policy
     replicas: int | None = None           # None: the topology's replicas
     profile: str | None = None            # None: the topology's sim profile
     num_blocks: int | None = None         # KV blocks per replica; None: the topology's / profile's
@@ -79,6 +83,8 @@ class TwinSettings(Strict, frozen=True):
     users: Annotated[int, msgspec.Meta(ge=1)] | None = None    # closed loop (default without rate/trace: 8)
     rate: Annotated[float, msgspec.Meta(gt=0)] | None = None   # open loop, requests/s
     arrival: str = "poisson"              # poisson | constant | gamma:CV (with rate)
+    # a stepped ramp (load/stages.py), warm-up stages first; it decides how many requests are sent
+    stages: list[Stage] = msgspec.field(default_factory=list)
     time_scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0     # a trace's timestamps times this
     seed: int = 0
     information: Information = Information()
@@ -116,6 +122,7 @@ class Plan:
     max_model_len: int = 0                # longer requests (prompt + max_tokens) are answered 400; 0: no limit
     fit: Fit | None = None                # a trace's requests against max_model_len (twin/fit.py)
     profile_reason: str | None = None     # why the profile was chosen, when no one named it
+    stages: list[Stage] = dataclasses.field(default_factory=list)   # a stepped ramp (open loop)
 
 
 def resolve(s: TwinSettings) -> Plan:
@@ -125,7 +132,8 @@ def resolve(s: TwinSettings) -> Plan:
     replicas = len(members)
     if not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(f"replicas must be between 1 and {MAX_REPLICAS} (got {replicas})")
-    policy = load_policy(s.policy or topo.gateway.policy, topo.gateway.config)
+    policy = (policy_of(s.epp_config) if s.epp_config
+              else load(s.policy or topo.gateway.policy, topo.gateway.config))
     if s.trace is not None:
         wname, params = "trace", {**s.workload_params, "path": s.trace}
     else:
@@ -162,11 +170,18 @@ def resolve(s: TwinSettings) -> Plan:
     check_cache(max_len, blocks, sim.block_size)
     if s.users is not None and s.rate is not None:
         raise ConfigError("give users (closed loop) or rate (open loop), not both")
+    if s.stages and (s.users is not None or s.rate is not None or s.trace is not None):
+        raise ConfigError("stages are an open-loop ramp: give stages, or users, or a rate, or a trace")
+    if s.stages:
+        if s.arrival not in ("poisson", "constant"):
+            raise ConfigError(f"stages send poisson or constant arrivals (got {s.arrival!r})")
+        s = msgspec.structs.replace(s, requests=bound(s.stages))
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
-    users = s.users if s.users is not None else (None if rate or trace_timing else 8)
+    users = s.users if s.users is not None else (None if rate or trace_timing or s.stages else 8)
     return Plan(s, topo, policy, profile, name, sim, replicas, members, blocks, workload, rate, users, trace_timing,
-                s.information.effective(), max_len, Fit(lengths, max_len) if lengths else None, reason)
+                s.information.effective(), max_len, Fit(lengths, max_len) if lengths else None, reason,
+                list(s.stages))
 
 
 def layout(topo: Topology, replicas: int | None) -> list[Member]:

@@ -16,4 +16,9 @@ from kvlab.gateway.scheduler import (  # noqa: F401, I001  (registers the plug-i
     random_choice,
     rank_blind,
     cache_aware,
+    prefix_cache,
+    precise_prefix_cache,
+    kv_utilization,
+    waiting_queue,
+    epp_pickers,
 )

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import abc
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
+from kvlab.errors import ConfigError
 from kvlab.gateway.config import PolicyConfig
 from kvlab.gateway.endpoints import Backend
 
@@ -34,6 +36,7 @@ class Candidate:
 @dataclass(slots=True)
 class RouteRequest:
     prompt_tokens: int
+    tokens: Sequence[int] = ()       # the prompt itself, for a scorer with its own index (prefix_cache.py)
 
 
 @dataclass(slots=True)
@@ -66,6 +69,14 @@ class Plugin(abc.ABC):
         """The plug-in configured for a policy (override to read its settings)."""
         return cls()
 
+    @classmethod
+    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
+        """The plug-in from an EndpointPickerConfig entry's `parameters` (scheduler/epp.py);
+        override to read them (the default takes none)."""
+        if parameters:
+            raise ConfigError(f"plugin {cls.name!r} takes no parameters (got {', '.join(parameters)})")
+        return cls()
+
 
 class Filter(Plugin):
     """Drops candidates that should not be chosen now."""
@@ -76,10 +87,16 @@ class Filter(Plugin):
 
 
 class Scorer(Plugin):
-    """Maps each candidate to a score in [0, 1]; higher is better."""
+    """Maps each candidate to a score in [0, 1]; higher is better. `index_kind`: the gateway index
+    its candidates' `prefix_tokens` must come from (an EndpointPickerConfig's policy follows it)."""
+
+    index_kind: str | None = None
 
     @abc.abstractmethod
     def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]: ...
+
+    def chosen(self, req: RouteRequest, chosen: Candidate) -> None:
+        """Told the decision (GIE's PreRequest): a scorer that learns from routing learns here."""
 
 
 class Picker(Plugin):
@@ -92,6 +109,12 @@ class Picker(Plugin):
 
     @classmethod
     def from_policy(cls, cfg: PolicyConfig, rng: random.Random) -> Self:
+        return cls(rng)
+
+    @classmethod
+    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
+        if parameters:
+            raise ConfigError(f"plugin {cls.name!r} takes no parameters (got {', '.join(parameters)})")
         return cls(rng)
 
     @abc.abstractmethod
@@ -138,6 +161,8 @@ class Ranker:
         # refused connections fall back over the filtered-out replicas too, last
         ranked += [c for c in cands if c.name in filtered]
         chosen = ranked[0]
+        for scorer, _ in self.scorers:
+            scorer.chosen(req, chosen)
         best = max(kept, key=lambda c: c.total)
         if self.picker.shadow:
             reason = self.picker.name

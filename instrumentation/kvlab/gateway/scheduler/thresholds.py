@@ -4,8 +4,9 @@ not a candidate (unless every replica is: the ranker then keeps them all)."""
 from __future__ import annotations
 
 import random
-from typing import Self
+from typing import Any, Self
 
+from kvlab.config import convert
 from kvlab.gateway.config import PolicyConfig, Thresholds
 from kvlab.gateway.scheduler.base import Candidate, Filter
 from kvlab.gateway.scheduler.registry import plugin
@@ -21,6 +22,10 @@ class ThresholdFilter(Filter):
     @classmethod
     def from_policy(cls, cfg: PolicyConfig, rng: random.Random) -> Self:
         return cls(cfg.thresholds)
+
+    @classmethod
+    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
+        return cls(convert(parameters, Thresholds, f"plugin {cls.name} parameters"))
 
     def drop(self, candidates: list[Candidate]) -> list[str]:
         t = self.t
