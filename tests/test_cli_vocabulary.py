@@ -52,7 +52,7 @@ def _visible(p: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in p._actions if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
 
 
-VERBS = [v for v in cli.COMMANDS if v != "twin"]   # twin/cli.py: renamed on its own branch (issue 42)
+VERBS = list(cli.COMMANDS)
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -87,7 +87,7 @@ def test_help_names_every_verb_and_action(monkeypatch, capsys):
         line = next(x for x in usage.splitlines() if x.startswith(f"  {verb} "))
         module = importlib.import_module(cli.COMMANDS[verb][0])
         actions = list(getattr(module, "BACKENDS", {}))
-        if verb != "twin" and (p := _capture(monkeypatch, verb, [])) is not None:
+        if (p := _capture(monkeypatch, verb, [])) is not None:
             for a in p._actions:
                 if isinstance(a, argparse._SubParsersAction) or (
                         not a.option_strings and a.choices and a.nargs is None):

@@ -117,7 +117,7 @@ def test_queue_scorer_is_min_max_and_precise_scorer_normalises_over_holders():
 def test_twin_runs_the_anchor_files_unchanged(path, tmp_path):
     from kvlab.twin.cli import main
     assert main(["--epp-config", path, "--requests", "20", "--rate", "4", "--no-oracle",
-                 "--out", str(tmp_path)]) == 0
+                 "--run-dir", str(tmp_path)]) == 0
     name = os.path.basename(path)[:-5]
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["ok"] == 20

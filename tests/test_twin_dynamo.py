@@ -48,7 +48,7 @@ def trace(tmp_path):
 def plan_of(trace, **kw):
     # 64-token trace blocks in 16-token engine blocks; 300 blocks a replica: the cache evicts
     base = {"trace": str(trace), "profile": "h100-llama3-8b", "replicas": 4, "requests": 300, "block_size": 16,
-            "num_blocks": 300, "policy": "round-robin", "workload_params": {"token_scale": 0.125}}
+            "num_blocks": 300, "max_model_len": 4800, "policy": "round-robin", "workload_params": {"token_scale": 0.125}}
     return resolve(TwinSettings(**{**base, **kw}))
 
 
@@ -113,8 +113,9 @@ def test_twin_puts_dynamos_rows_beside_its_own(trace, tmp_path):
     require(HAS_DYNAMO, "Dynamo's replay (pip install 'kvlab[dynamo]')")
     out = tmp_path / "run"
     assert cli.main(["--trace", str(trace), "--profile", "h100-llama3-8b", "--replicas", "4", "--requests", "60",
-                     "--block-size", "16", "--num-blocks", "300", "--workload-params", '{"token_scale": 0.125}',
-                     "--policy", "round-robin,dynamo-kv-router", "--out", str(out)]) == 0
+                     "--block-size", "16", "--num-blocks", "300", "--max-model-len", "4800",
+                     "--workload-params", '{"token_scale": 0.125}',
+                     "--policies", "round-robin,dynamo-kv-router", "--run-dir", str(out)]) == 0
     doc = json.loads((out / "compare.json").read_text())
     rows = {r["router"]: r for r in doc["workloads"]["trace"]["routers"]}
     assert set(rows) == {"round-robin", "dynamo-kv-router"}
