@@ -29,7 +29,10 @@
 #
 # Retention directives are **experimental**: shaped after vLLM's proposal (RFC
 # vllm-project/vllm#37003), honoured only by kvlab's simulator (`--typed-retention`). See
-# docs/semantic-kv.md. Time: about 90 s (three 20 s load phases on the `agentic` topology).
+# docs/semantic-kv.md.
+#
+# **Time:** about 90 s (three 20 s load phases).
+# **Stack:** starts `agentic` (1 replica), stopping lab 08's stack; leaves it running.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: typed retention is a simulator feature
@@ -177,6 +180,10 @@ fig.show()
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - every phase completes at least 10 requests
+# - typed: pinned blocks exist and hit > 80 %; evict-first blocks are evicted
+# - LRU (`kv-aware`) sends no directive
 
 # %%
 lru, typed = stats["kv-aware"], stats["kv-aware-typed"]
