@@ -51,7 +51,7 @@ runs = nb.setup()
 env = nb.run_env()
 for key, value in env.items():
     print(f"{key:<11} {value or '— not installed (optional)'}")
-assert sys.version_info >= (3, 10), "kvlab needs Python 3.10 or newer"
+assert sys.version_info >= (3, 11), "kvlab needs Python 3.11 or newer"
 
 # %% [markdown]
 # Only Python is required for `local`. With `prometheus` installed the stack also scrapes metrics

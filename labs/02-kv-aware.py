@@ -64,8 +64,11 @@ print(f"baseline: {base.summary.ok} requests, TTFT p50 {base.summary.ttft_ms.p50
 # The `kv-aware` policy (`instrumentation/kvlab/assets/policies/kv-aware.yaml`) scores every replica:
 # `3 × prefix` (share of the prompt the replica has cached, read from a block index fed by the
 # replicas' KV events) `+ 1 × queue + 0.5 × kv_usage + 1 × inflight` (load, from `/metrics` and the
-# gateway's own in-flight count), and picks the highest. Caches are reset first: the phase starts
-# as cold as the baseline did.
+# gateway's own in-flight count) `+ 1 × predicted_ttft` (cache and load in one unit of time: the
+# prompt tokens the replica would still have to prefill, its own and those already queued there,
+# times the cost per token the gateway has learned for it; 1 for the fastest candidate, less for
+# slower ones), and picks the highest. Caches are reset first: the phase starts as cold as the
+# baseline did.
 
 # %%
 after = nb.run_phase(stack, "kv-aware", **settings)

@@ -138,8 +138,7 @@ hitrate_figure(rows).show()
 # 2. keep the holder busy with a burst of requests of that prefix (long outputs, so they stay in flight);
 # 3. meanwhile send a *probe*: the same prefix followed by a long new question (~3,300 tokens), so
 #    only ~10 % of its prompt is cached. Prefix score 3 × 0.1 ≈ 0.3 no longer beats an idle
-#    replica's in-flight score of 1. (With a ~25 % share, 0.75, the holder's predicted-TTFT lean
-#    decided it in about 1 run in 30.)
+#    replica's in-flight score of 1, even with the holder's predicted-TTFT lean added.
 #
 # We give the probe our own W3C `traceparent`, so we know its trace id before it is sent.
 

@@ -141,11 +141,10 @@ print({p: f"rank idle per request: mean {np.mean(v):.0f} ms, median {np.median(v
 
 # %% [markdown]
 # DP-aware routing balances the prefill work *per rank* (`inflight_tokens`), so on a machine with
-# CPU to spare most of its requests' ranks barely idle (a median of ~20 ms against ~270 ms
-# rank-blind in 3 of 4 seeded runs on a 2-core AVX-512 machine; 275 against 291 ms in the fourth). Under CPU contention the
-# simulator's steps stretch, fewer requests overlap and the difference shrinks or flips (3 of 3
-# runs with a test suite running beside it): the idle time is a consequence of the load, not
-# a constant of the policy, so it is shown here rather than checked.
+# CPU to spare most of its requests' ranks barely idle, while rank-blind ones wait for a busier
+# sibling. Under CPU contention the simulator's steps stretch, fewer requests overlap and the
+# difference shrinks or flips: the idle time is a consequence of the load, not a constant of the
+# policy, so it is shown here rather than checked. Compare the two medians printed above.
 
 # %%
 trace, schedule = example
