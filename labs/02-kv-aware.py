@@ -150,7 +150,7 @@ print(f"report: {report}")
 
 # %% [markdown]
 # ## 6. Why: the mechanism, drawn from this run
-# Three pictures made from this run's own data (the report has them too):
+# Two pictures made from this run's own data (the report has them too, each with a caption):
 # - **Chained block hashes** of two real prompts of the workload: a block's key hashes its parent's
 #   key with its own tokens, so equal keys mean equal *prefixes*. Two prompts of one group share
 #   every block up to the question; change one early token and no block after it matches.
@@ -158,8 +158,6 @@ print(f"report: {report}")
 #   prefix of that prompt in the gateway's KV-event index. Round-robin smears each group over
 #   every replica (and loses it to eviction); kv-aware keeps a group on one replica. The slider
 #   steps through the phase; the numbers count evictions the index saw.
-# - **The funnel**: available → predicted (lost to routing) → delivered (lost to eviction or a
-#   stale index).
 #
 # Then three decisions in words, as `kvlab traces explain` says them. Try
 # `kvlab traces explain --reason round-robin --limit 5` or `kvlab traces explain --worst 3` in a terminal.
@@ -168,11 +166,13 @@ print(f"report: {report}")
 from kvlab.traces import explain, mechanism
 
 pictures, decisions = mechanism.figures(run_dir, phases)
-for fig in pictures:
-    fig.show()
+for picture in pictures:
+    picture.figure.show()
+    print(picture.caption)
 kv_weights = explain.kv_weights_of(decisions)
 for label, d in mechanism.examples(decisions).items():
-    print(f"{label}: " + (explain.sentence(d, kv_weights) if d else "none in this run"))
+    if d is not None:
+        print(f"{label}: {explain.sentence(d, kv_weights)}")
 
 # %% [markdown]
 # ## Checkpoints
@@ -180,7 +180,7 @@ for label, d in mechanism.examples(decisions).items():
 # - the kv-aware phase completes without errors
 # - TTFT p50 at least 2× lower, and more requests per second, than the baseline
 # - locally: delivered hit rate +20 points; available − predicted ≤ 10 points; prefix groups on fewer
-#   replicas; the three mechanism pictures drawn
+#   replicas; the two mechanism pictures drawn
 
 # %%
 b, a = summaries["round-robin"], summaries["kv-aware"]
@@ -194,7 +194,7 @@ if TARGET == "local":
     assert ha.available - ha.predicted <= 0.1, "kv-aware should capture nearly all the available cache"
     mean = {p: sum(v.values()) / len(v) for p, v in spread.items()}
     assert mean["kv-aware"] < mean["round-robin"], f"groups should stay on fewer replicas: {mean}"
-    assert len(pictures) == 3, "the chain, residency and funnel pictures need the run's summary.json and traces"
+    assert len(pictures) == 2, "the chain and residency pictures need the run's summary.json and traces"
 print(f"✓ {headline(summaries)}")
 
 # %% [markdown]
