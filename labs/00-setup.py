@@ -23,8 +23,10 @@
 # 3. Start the stack (model-server replicas, the KV-aware gateway, traces, metrics) and check its health.
 # 4. Send the same prompt twice and watch the second one reuse the first one's KV cache.
 #
-# Time: about 15 s on a laptop. Every later lab finds this stack through `runs/latest/stack.json`
-# and starts it itself if nothing is running, so you can also open any lab directly.
+# **Time:** about 15 s.
+# **Stack:** starts the `quickstart` stack (4 replicas) with `kvlab up`, or reuses one already running,
+# and leaves it running: labs 01–04 use it through `runs/latest/stack.json` (each starts it if
+# nothing runs, so you can also open any lab directly).
 
 # %% tags=["parameters"]
 TARGET = "local"          # local | kind-cpu | kind-gpu (kind: deploy first, see docs/kind.md)
@@ -49,11 +51,11 @@ runs = nb.setup()
 env = nb.run_env()
 for key, value in env.items():
     print(f"{key:<11} {value or '— not installed (optional)'}")
-assert sys.version_info >= (3, 10), "kvlab needs Python 3.10 or newer"
+assert sys.version_info >= (3, 11), "kvlab needs Python 3.11 or newer"
 
 # %% [markdown]
 # Only Python is required for `local`. With `prometheus` installed the stack also scrapes metrics
-# (lab 06 reads them); with `jaeger` installed, traces go to a Jaeger UI instead of files. The kind
+# (lab 03 reads them); with `jaeger` installed, traces go to a Jaeger UI instead of files. The kind
 # targets need `docker`, `kind` and a deployed cluster (`kvlab cluster create && kvlab cluster deploy`).
 
 # %% [markdown]
@@ -132,7 +134,12 @@ fig.show()
 
 # %% [markdown]
 # ## Checkpoints
-# These cells assert what you should have seen. If one fails, read the troubleshooting section below.
+# The cells below assert:
+# - every part of the stack answers its health check
+# - the first request is mostly a cache miss; the second reuses the cached prefix
+# - locally, the repeat went to the replica holding the prefix
+#
+# If one fails, read the troubleshooting section below.
 
 # %%
 assert all(code == 200 for code in health.values()), f"something is unhealthy: {health}"

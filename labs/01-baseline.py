@@ -23,7 +23,9 @@
 # 3. Measure how much KV cache was **available** somewhere in the fleet but **not used** because the
 #    balancer ignored it. That gap is what lab 02 recovers.
 #
-# Time: about 40 s (a 25 s load test). Runs alone: it starts the stack if lab 00 did not.
+# **Time:** about 40 s (a 25 s load test).
+# **Stack:** reuses lab 00's `quickstart` stack (4 replicas); starts it if none runs, and leaves it
+# running for lab 02.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local | kind-cpu | kind-gpu
@@ -136,6 +138,10 @@ if hr.available is not None:
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - the load test completes without errors
+# - round-robin spreads requests evenly over the replicas
+# - locally: available − predicted ≥ 15 points; delivered and engine hit rates below 70 %
 
 # %%
 assert s.ok >= 20 and s.errors == 0, f"the load test should complete cleanly: {s.ok} ok, {s.errors} errors"
@@ -155,5 +161,5 @@ print(f"✓ baseline recorded in {base.dir}: TTFT p50 {s.ttft_ms.p50:.0f} ms, "
 # |---|---|
 # | errors > 0 | `runs/<id>/phase-N-round-robin/requests.jsonl` has the `error` of each failed request; `locust.log` Locust's view; `runs/<id>/logs/gateway-round-robin.log` the gateway's. |
 # | very few requests | the machine is busy (other benchmarks?): TTFTs grow, counts shrink; re-run, or raise `DURATION_S`. |
-# | hit rates `None` | no gateway headers: on kind the baseline is the plain Service, which knows nothing about caches (lab 03 explains how the gateway computes *available*). |
+# | hit rates `None` | no gateway headers: on kind the baseline is the plain Service, which knows nothing about caches (lab 04 explains how the gateway computes *available*). |
 # | delivered high already | caches were not reset (`reset_prefix_cache` failed?) or the workload is not `shared-prefix`. |

@@ -22,7 +22,9 @@
 # 2. Compare before and after: TTFT, throughput, hit rates, how requests spread over replicas.
 # 3. Explain *why* it got faster: each prefix group stays on the replica that caches it.
 #
-# Time: about 40 s (a 25 s load test), plus 40 s if lab 01's baseline is not in the run directory.
+# **Time:** about 40 s (a 25 s load test), plus 40 s if lab 01's baseline is not in the run directory.
+# **Stack:** reuses lab 00's `quickstart` stack (4 replicas) and lab 01's baseline phase; runs either
+# if missing, and leaves both for labs 03–04.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local | kind-cpu | kind-gpu
@@ -62,8 +64,11 @@ print(f"baseline: {base.summary.ok} requests, TTFT p50 {base.summary.ttft_ms.p50
 # The `kv-aware` policy (`instrumentation/kvlab/assets/policies/kv-aware.yaml`) scores every replica:
 # `3 × prefix` (share of the prompt the replica has cached, read from a block index fed by the
 # replicas' KV events) `+ 1 × queue + 0.5 × kv_usage + 1 × inflight` (load, from `/metrics` and the
-# gateway's own in-flight count), and picks the highest. Caches are reset first: the phase starts
-# as cold as the baseline did.
+# gateway's own in-flight count) `+ 1 × predicted_ttft` (cache and load in one unit of time: the
+# prompt tokens the replica would still have to prefill, its own and those already queued there,
+# times the cost per token the gateway has learned for it; 1 for the fastest candidate, less for
+# slower ones), and picks the highest. Caches are reset first: the phase starts as cold as the
+# baseline did.
 
 # %%
 after = nb.run_phase(stack, "kv-aware", **settings)
@@ -125,7 +130,7 @@ figures.ttft_by_replica_over_time(records).show()
 #
 # ## 5. The same files as `kvlab lab`
 # Both phases are in the run directory; the summary and the HTML report are written the way
-# `kvlab lab` writes them (lab 06 opens the report).
+# `kvlab lab` writes them (lab 03 opens the report).
 
 # %%
 from pathlib import Path
@@ -145,7 +150,7 @@ print(f"report: {report}")
 
 # %% [markdown]
 # ## 6. Why: the mechanism, drawn from this run
-# Three pictures made from this run's own data (the report has them too):
+# Two pictures made from this run's own data (the report has them too, each with a caption):
 # - **Chained block hashes** of two real prompts of the workload: a block's key hashes its parent's
 #   key with its own tokens, so equal keys mean equal *prefixes*. Two prompts of one group share
 #   every block up to the question; change one early token and no block after it matches.
@@ -153,8 +158,6 @@ print(f"report: {report}")
 #   prefix of that prompt in the gateway's KV-event index. Round-robin smears each group over
 #   every replica (and loses it to eviction); kv-aware keeps a group on one replica. The slider
 #   steps through the phase; the numbers count evictions the index saw.
-# - **The funnel**: available → predicted (lost to routing) → delivered (lost to eviction or a
-#   stale index).
 #
 # Then three decisions in words, as `kvlab traces explain` says them. Try
 # `kvlab traces explain --reason round-robin --limit 5` or `kvlab traces explain --worst 3` in a terminal.
@@ -163,14 +166,21 @@ print(f"report: {report}")
 from kvlab.traces import explain, mechanism
 
 pictures, decisions = mechanism.figures(run_dir, phases)
-for fig in pictures:
-    fig.show()
+for picture in pictures:
+    picture.figure.show()
+    print(picture.caption)
 kv_weights = explain.kv_weights_of(decisions)
 for label, d in mechanism.examples(decisions).items():
-    print(f"{label}: " + (explain.sentence(d, kv_weights) if d else "none in this run"))
+    if d is not None:
+        print(f"{label}: {explain.sentence(d, kv_weights)}")
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - the kv-aware phase completes without errors
+# - TTFT p50 at least 2× lower, and more requests per second, than the baseline
+# - locally: delivered hit rate +20 points; available − predicted ≤ 10 points; prefix groups on fewer
+#   replicas; the two mechanism pictures drawn
 
 # %%
 b, a = summaries["round-robin"], summaries["kv-aware"]
@@ -184,7 +194,7 @@ if TARGET == "local":
     assert ha.available - ha.predicted <= 0.1, "kv-aware should capture nearly all the available cache"
     mean = {p: sum(v.values()) / len(v) for p, v in spread.items()}
     assert mean["kv-aware"] < mean["round-robin"], f"groups should stay on fewer replicas: {mean}"
-    assert len(pictures) == 3, "the chain, residency and funnel pictures need the run's summary.json and traces"
+    assert len(pictures) == 2, "the chain and residency pictures need the run's summary.json and traces"
 print(f"✓ {headline(summaries)}")
 
 # %% [markdown]

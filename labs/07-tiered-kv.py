@@ -27,8 +27,11 @@
 # 4. Under hot prefixes, let the gateway **pull** a busy holder's KV to another replica instead of
 #    recomputing it there (`kv-aware-pull`), and read each decision's estimated costs in its span.
 #
-# Time: about 4 minutes (the stack start, two 20 s phases, then a 2-phase pull run on its own
-# stack). Reference: docs/tiered.md.
+# Reference: docs/tiered.md.
+#
+# **Time:** about 4 minutes (the stack start, two 20 s phases, then a 2-phase pull run on its own stack).
+# **Stack:** starts `tiered` (4 replicas), stopping whatever stack runs; stops it for section 4,
+# whose `kvlab lab --topology pull` starts and stops its own stack.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the simulator models the CPU tier; docs/tiered.md has the GPU manifests
@@ -200,6 +203,11 @@ for s in pull_spans[:3]:
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - a prompt comes back from the CPU tier, and its `engine.prefill` span shows the CPU hit
+# - tier-aware completes cleanly, reuses more prompt tokens and has a lower TTFT p50 than tier-blind
+# - `kv-aware-pull` weighed holder / pull / recompute for a busy holder, each decision recording the three
+#   costs
 
 # %%
 blind, aware = summaries["kv-aware-gpu-only"], summaries["kv-aware"]

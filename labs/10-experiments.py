@@ -33,7 +33,9 @@
 # rates, predicted − delivered, requests per replica); only the ladder reads a rate (requests per
 # second), with a wide margin.
 #
-# Time: about 6 minutes (6 stacks; 10 phases of 10 s, 4 of 20 s).
+# **Time:** about 6 minutes (6 stacks; 10 phases of 10 s, 4 of 20 s).
+# **Stack:** starts one stack per experiment, each stopping the one before (lab 09's first); the
+# last keeps running.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the experiments size the simulator's caches
@@ -186,6 +188,15 @@ print(f"{LADDER[-1] / LADDER[0]:.0f}× the users gave", {p: f"{g:.1f}× the requ
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - control: both hit rates < 5 %, within 3 points of each other
+# - sweep: kv-aware's lead > 30 points at 160 blocks; at 640 under half that and < 10 points; round-robin's
+#   warm hit rate climbs > 30 points
+# - hot group: affinity keeps it on one replica (> 95 %), its busiest replica > 75 %; kv-aware's busiest 20
+#   points less, the group on ≥ 2 replicas
+# - eviction: kv-aware's predicted − delivered above prefix's and above a roomy cache's
+# - ladder: kv-aware's requests per second grow more than round-robin's
+#
 # Directions, not values: each holds with the machine busy (the phases then serve fewer requests).
 
 # %%

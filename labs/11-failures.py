@@ -29,8 +29,9 @@
 #    endpoint) and a **trace backend that is down** or black-holes (requests do not notice).
 #
 # The same story from the command line: `kvlab lab --topology faults` (labs/topologies/faults.yaml).
-# Time: 80–110 s on 2 cores (the stack's start; one phase that runs until the restarted replica has served a
-# while; section 5 starts one more gateway).
+# **Time:** 80–110 s on 2 cores (the stack's start; one phase that runs until the restarted replica
+# has served a while; section 5 starts one more gateway).
+# **Stack:** starts `faults` (2 replicas, a and b), stopping lab 10's last stack; leaves it running.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only: the supervisor restarting the replica is `kvlab up`'s
@@ -233,6 +234,13 @@ print(f"p50 {', '.join(f'{k}: {v:.1f} ms' for k, v in p50.items())}; errors {sum
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - b was serving at the kill; no request failed; streams were resumed, at a cost to the resumed requests
+# - the trace says `resume 1: …`
+# - b is restarted, routed to again, and hits its cache again
+# - a KV-event gap: with replay `live`, without `stale`
+# - a black-holed trace backend fails no request
+#
 # Directions, not values: a busy machine makes the phase slower and b's start-up longer, not the
 # directions different.
 

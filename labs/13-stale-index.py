@@ -27,7 +27,9 @@
 # The approximate scorer's LRU holds 31,250 hashes a server (GIE's default, ~500 k tokens) against
 # servers that hold 12,800 tokens each here: it cannot see evictions, so it outlives the cache it
 # guesses (GIE's prefix-aware guide). Every figure is from the cluster twin, not a live run.
-# Time: about 30 s, no stack needed.
+#
+# **Time:** about 30 s.
+# **Stack:** none: the twin runs in this kernel.
 
 # %% tags=["parameters"]
 TARGET = "local"             # the twin runs in this process: no stack
@@ -107,6 +109,11 @@ print(f"false hits pass 5 % of prompt tokens at the {first_stage.rate:g} req/s s
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - the approximate index claims prefixes the servers evicted: false hits > 20 % of prompt tokens at the top stage
+# - the precise index stays under 10 % false hits at every stage
+# - precise delivers more hits than approximate over the ramp
+# - the stale decision predicted ≥ 512 tokens more than the engine delivered; the precise one delivered what it predicted
 
 # %%
 ramp = [st for st in approx.summary.stages if not st.warmup]

@@ -87,6 +87,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 # --dist loadfile: a module stays on one worker, so its module-scoped fixtures start once) hands them
 # to the workers first, so that no long module starts last (--no-loadscope-reorder keeps this order).
 LONGEST_FIRST = ("test_notebooks_experiments", "test_notebooks_topologies_a", "test_notebooks_topologies_b",
+                 "test_notebooks_topologies_c",
                  "test_lab", "test_notebooks", "test_faults", "test_observability_lab", "test_notebooks_kind",
                  "test_compare", "test_compare_cluster", "test_vllm", "test_autoscaling_lab", "test_outage_lab",
                  "test_tokenization_vllm", "test_fuzz")

@@ -1,15 +1,17 @@
 """The machinery of the notebook tests (test_notebooks*.py): the shards, a fresh runs dir per
 module whose processes are stopped by pid, the kernel, execution and rendering in Chromium.
 
-The notebooks run in shards, one test module each, every module with its own runs dir: under
-`make test` (pytest-xdist, --dist loadfile) the shards run on separate workers at once. The
-quickstart shard keeps 03 and 06 after 01-02, whose phases they reuse; lab 10 (the longest, ~6
-minutes) is a shard alone; the other notebooks switch the stack to their own topologies and
-alternate between two shards (each notebook also runs alone: see test_notebooks.py).
+The notebooks run in the order a learner runs them, cut into shards, one test module each, every
+module with its own runs dir: under `make test` (pytest-xdist, --dist loadfile) the shards run on
+separate workers at once. Each shard is a run of consecutive labs, and each cut falls before a lab
+that starts its own stack (its **Stack:** line says so; test_notebooks.py checks both): the
+quickstart shard is 00-04 (03 and 04 reuse the stack and the phases of 01-02), then 05-07, 08-09,
+10 (the longest, ~6 minutes) and 11 onward.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,11 +28,21 @@ from conftest import require, require_binary, stop_everything
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
 NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]-*.ipynb"))
-QUICKSTART = ("00", "01", "02", "03", "06")
-_others = [p for p in NOTEBOOKS if p.stem[:2] not in (*QUICKSTART, "10")]
-SHARDS = {"quickstart": [p for p in NOTEBOOKS if p.stem[:2] in QUICKSTART],
-          "experiments": [p for p in NOTEBOOKS if p.stem[:2] == "10"],
-          "topologies-a": _others[0::2], "topologies-b": _others[1::2]}
+# each shard's first lab, in the learners' order; a shard runs up to the next one's first
+_FIRST = {"quickstart": 0, "topologies-a": 5, "topologies-b": 8, "experiments": 10, "topologies-c": 11}
+SHARDS = {name: [p for p in NOTEBOOKS if first <= int(p.stem[:2]) < nxt]
+          for (name, first), nxt in zip(_FIRST.items(), [*list(_FIRST.values())[1:], 100])}
+
+def _labs_map():
+    """scripts/labs_map.py: each lab's title, **Time:**, **Stack:** and checkpoint bullets."""
+    spec = importlib.util.spec_from_file_location("labs_map", ROOT / "scripts" / "labs_map.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["labs_map"] = module        # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+labs_map = _labs_map()
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 EXECUTED: dict[str, Path] = {}      # notebook name -> executed copy (filled by run_notebook)
 

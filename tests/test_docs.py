@@ -230,6 +230,27 @@ def test_the_doc_checks_catch_an_issue_number_and_a_machine_path() -> None:
     assert not MACHINE_PATH.search("/var/run/nvidia-container-devices") and not MACHINE_PATH.search("~/work/x/")
 
 
+# who ran a figure, beside what, how often: a development log's asides, kept to its appendices
+HISTORY = re.compile(r"another helper|fresh-clone CI|official CI|beside (?:another|lab \d+'s) notebook|"
+                     r"runs of stop \d+|\bin \d+ of \d+ seeded runs", re.IGNORECASE)
+HISTORY_PAGES = {"development.md", "benchmarks-history.md", "twin-validation.md"}
+USER_PAGES = [p for p in MARKDOWN if p.name not in HISTORY_PAGES] + sorted((ROOT / "labs").glob("[0-9][0-9]-*.py"))
+
+
+@pytest.mark.parametrize("path", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_docs_and_labs_tell_no_development_history(path: Path) -> None:
+    """Pages a user reads say what a figure is and which command made it, not who ran it beside what:
+    that record lives in development.md, benchmarks-history.md and twin-validation.md."""
+    found = sorted({m.group(0) for m in HISTORY.finditer(path.read_text())})
+    assert not found, f"{path.relative_to(ROOT)} reads like a development log: {found}"
+
+
+def test_the_history_check_catches_an_aside() -> None:
+    assert HISTORY.search("a third run beside lab 10's notebook test") and HISTORY.search("runs of stop 26")
+    assert HISTORY.search("in 3 of 4 seeded runs") and HISTORY.search("as a fresh-clone CI run showed")
+    assert not HISTORY.search("more than any other non-notebook test of the suite")
+
+
 @functools.cache
 def _rendered_kind() -> tuple[str, set[str]]:
     """What `kvlab cluster render` writes for the main GPU topology and the CPU quickstart: the vLLM

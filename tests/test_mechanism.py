@@ -1,7 +1,7 @@
 """The mechanism pictures (kvlab.traces.mechanism) from a run's files: the chained-hash figure from
-the workload's real token ids, residency and evictions from the decision spans, the funnel, three
-decisions in words; the report embeds them and headless Chromium draws every one (lab 02 calls the
-same `mechanism.figures`)."""
+the workload's real token ids, residency and evictions from the decision spans, three decisions in
+words; the report embeds them, each figure with a heading and a caption, and headless Chromium draws
+every one with no toolbar over a title (lab 02 calls the same `mechanism.figures`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import phase_result, require
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.measure import Record
-from kvlab.load.summary import HitRate, Summary
 from kvlab.report import write_report
 from kvlab.telemetry import names as n
 from kvlab.telemetry.sink import SpanFile
@@ -112,53 +111,78 @@ def test_residency_counts_evictions_and_spread(run):
     assert rr.groups == ["g0", "g1"] and rr.replicas == ["sim-0", "sim-1"]
     assert rr.states[-1][("g0", "sim-1")] == pytest.approx(224 / PROMPT)
     fig = mechanism.residency_figure(res)
-    assert len(fig.data) == 2 and "1 evictions" in fig.layout.annotations[0].text
+    assert len(fig.data) == 2 and fig.layout.annotations[0].text == "round-robin: 1 eviction seen"
+    assert fig.layout.annotations[1].text == "kv-aware: no eviction seen"
     assert len(fig.layout.sliders[0].steps) == 11
 
 
-def test_funnel_and_examples(run):
+def test_pictures_and_examples(run):
     root, phases = run
-    fig = mechanism.funnel_figure({p: v.summary for p, v in phases.items()})
-    assert [t.name for t in fig.data] == ["round-robin", "kv-aware"]
-    kv = fig.data[1].x
-    assert kv[0] >= kv[1] >= kv[2] > 0
-    blind = {"baseline-service": Summary(hit_rate=HitRate(available=None, predicted=None, delivered=0.2))}
-    assert not mechanism.funnel_figure(blind).data       # unknown is not drawn as 0
     figs, decisions = mechanism.figures(root, phases)
-    assert len(figs) == 3 and len(decisions) == len(REQUESTS)
+    assert [p.caption for p in figs] == [mechanism.CHAIN_CAPTION, mechanism.RESIDENCY_CAPTION]
+    assert len(decisions) == len(REQUESTS)
     ex = mechanism.examples(decisions)
     assert ex["a hit"].reason == "prefix" and ex["a round-robin miss"].policy == "round-robin"
     assert ex["load over cache"].chosen == "sim-1"
     words = mechanism.examples_html(decisions)
     assert "round-robin sent it to sim-1" in words and "kv-aware would have picked sim-0" in words
     assert "sim-1 won by" in words   # load over cache: fewer in-flight requests beat a longer prefix
+    # a run without one of the three kinds shows the others, not "none in this run"
+    words = mechanism.examples_html([d for d in decisions if d.reason != "load-over-prefix"])
+    assert "load over cache" not in words and "none" not in words and "a hit" in words
 
 
 def test_report_section_only_for_a_run_directory(run, tmp_path: Path):
     root, phases = run
     assert mechanism.section(None, phases, {}) == "" and mechanism.section(tmp_path, phases, {}) == ""
     html = write_report(root / "report.html", phases, {"run": "t"}).read_text()
-    assert "Why: the mechanism in this run" in html and html.count("Plotly.newPlot") == 8
+    assert "Why: the mechanism in this run" in html and html.count("Plotly.newPlot") == 7
+    # every figure: its title as a heading above, a caption under it
+    assert html.count('<figure class="fig">') == 7 and html.count("<figcaption>") == 7
     (root / "summary.json").write_text("{not json")          # a damaged run still gets its report
     html = write_report(root / "report.html", phases, {"run": "t"}).read_text()
     assert "could not be drawn" in html and html.count("Plotly.newPlot") == 5
 
 
+OVERLAPS = """<script>window.addEventListener('load', function () { setTimeout(function () {
+  function hit(a, b) { return a.width > 0 && b.width > 0 && a.left < b.right && b.left < a.right &&
+                              a.top < b.bottom && b.top < a.bottom; }
+  var out = {plots: 0, modebars: 0, covered: []};
+  document.querySelectorAll('.js-plotly-plot').forEach(function (plot, i) {
+    out.plots += 1;
+    var bar = plot.querySelector('.modebar');
+    if (!bar) return;
+    out.modebars += 1;
+    var r = bar.getBoundingClientRect();
+    plot.querySelectorAll('.gtitle, .annotation-text, .g-gtitle text').forEach(function (t) {
+      if (hit(r, t.getBoundingClientRect())) out.covered.push(i + ': ' + t.textContent);
+    });
+  });
+  var pre = document.createElement('pre'); pre.id = 'kvlab-overlaps';
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre); }, 3000); });
+</script>"""
+
+
 @pytest.mark.browser
-def test_report_draws_every_mechanism_figure_in_chromium(run, tmp_path: Path):
+def test_report_draws_every_figure_in_chromium_with_no_toolbar_over_a_title(run, tmp_path: Path):
     from kvlab.traces.screenshot import FLAGS, chromium
 
     binary = chromium()
     require(binary is not None, "the chromium binary")
     root, phases = run
     page = write_report(root / "report.html", phases, {"run": "t"})
+    page.write_text(page.read_text().replace("</head>", OVERLAPS + "</head>", 1))
     proc = subprocess.run([binary, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000",
                            "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     dom = proc.stdout
     section = dom.split('class="mechanism"', 1)[1].split("</ul>", 1)[0]
     plots = section.split("plotly-graph-div")[1:]
-    assert len(plots) == 3, "chain, residency and funnel figures in the section"
-    for name, chunk in zip(("chain", "residency", "funnel"), plots):
+    assert len(plots) == 2, "chain and residency figures in the section"
+    for name, chunk in zip(("chain", "residency"), plots):
         assert 'class="main-svg"' in chunk, f"the {name} figure was not drawn"
     assert re.search(r'class="hm"|<image', plots[0]) and re.search(r'class="hm"|<image', plots[1]), "heatmaps drawn"
-    assert "funnel" in plots[2] or 'class="bars"' in plots[2] or "trace bars" in plots[2]
+    found = re.search(r'<pre id="kvlab-overlaps">(.*?)</pre>', dom, re.S)
+    assert found, "the page did not finish loading in Chromium"
+    seen = json.loads(found.group(1).replace("&quot;", '"'))
+    assert seen["plots"] == 7 and seen["modebars"] == 7, seen
+    assert seen["covered"] == [], f"the plot toolbar covers: {seen['covered']}"

@@ -1,6 +1,6 @@
 """`notebook.wait_trace` waits for a trace's spans by count: each process exports its own batch, so
 a prefill/decode split's trace can hold the decode replica's engine.request before the prefill
-replica's (lab 04 asserted on such a trace once in a fresh-clone CI run)."""
+replica's (lab 05, prefill/decode, asserted on such a trace once in a fresh-clone CI run)."""
 
 from __future__ import annotations
 

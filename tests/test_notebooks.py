@@ -2,9 +2,9 @@
 the local simulator target (any cell error or failed checkpoint fails), rendered to HTML and
 loaded in headless Chromium, where every plotly figure must draw without a JavaScript error.
 
-This module checks every notebook's pairing and sections, runs the quickstart shard and one
-notebook alone; the other shards are test_notebooks_{experiments,topologies_a,topologies_b}.py
-(tests/notebook_runs.py says why). Every stack a notebook starts lives under a temporary
+This module checks every notebook's pairing and sections and that the shards together run every lab
+in the learners' order, runs the quickstart shard and one notebook alone; the other shards are
+test_notebooks_{topologies_a,topologies_b,experiments,topologies_c}.py (tests/notebook_runs.py says why). Every stack a notebook starts lives under a temporary
 KVLAB_RUNS_DIR and is stopped by pid (supervisor, its children, processes the notebooks recorded)
 when the module ends, pass or fail.
 """
@@ -17,9 +17,11 @@ from kvlab.stack.base import read_info
 from notebook_runs import (
     LABS,
     NOTEBOOKS,
+    SHARDS,
     _execute,
     _runs_env,
     jupytext,
+    labs_map,
     nbformat,
     render_shard,
     run_notebook,
@@ -56,6 +58,20 @@ def test_every_notebook_has_objectives_parameters_checkpoints_and_troubleshootin
         assert checkpoint.cell_type == "code" and "assert " in checkpoint.source, ipynb.name
 
 
+def test_the_shards_run_every_lab_once_in_the_learners_order():
+    """One learner session, cut where nothing carries over: the shards, one after another, are every
+    lab in order; a lab that reuses what the lab before left (its **Stack:** line says `reuses`)
+    never opens a shard, and a shard opens on a lab that starts its own stack."""
+    assert [p for s in SHARDS.values() for p in s] == NOTEBOOKS
+    firsts = {s[0].stem for s in SHARDS.values()}
+    for ipynb in NOTEBOOKS:
+        stack = labs_map.read_lab(ipynb.with_suffix(".py")).stack
+        if ipynb.stem in firsts and ipynb != NOTEBOOKS[0]:
+            assert stack.startswith("starts"), f"{ipynb.stem} opens a shard but does not start its own stack: {stack}"
+        if stack.startswith("reuses"):
+            assert ipynb.stem not in firsts, ipynb.stem
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ipynb", shard("quickstart"))
 def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
@@ -64,9 +80,9 @@ def test_notebook_runs_top_to_bottom_on_the_local_simulator(ipynb, runs_dir):
 
 @pytest.mark.slow
 def test_a_notebook_runs_alone_starting_what_it_needs():
-    """Lab 03 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
+    """Lab 04 in an empty runs dir: it starts the stack and runs both phases itself (shorter here)."""
     with _runs_env("kvlab-nb-alone-") as runs:
-        _execute(LABS / "03-traces.ipynb", runs.parent / "03-traces.ipynb", overrides="DURATION_S = 10.0")
+        _execute(LABS / "04-traces.ipynb", runs.parent / "04-traces.ipynb", overrides="DURATION_S = 10.0")
         run = (runs / "latest").resolve()
         assert (run / "phase-1-round-robin" / "summary.json").exists()
         assert (run / "phase-2-kv-aware" / "summary.json").exists()

@@ -5,6 +5,8 @@ the right decisions, zero-weight scorers stay hidden, and a round-robin decision
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 import pytest
@@ -183,3 +185,59 @@ def test_single_decision_prints_its_sentence(run: Path, capsys):
     assert cli.main(["explain", tid, "--run", str(run)]) == 0
     out = capsys.readouterr().out
     assert "kv-aware would have picked sim-1 (96 cached tokens, prefix)" in out
+
+
+# ---- words and table agree ----------------------------------------------------------------------
+TERM = re.compile(r"([+−])(\d+\.\d\d) (?:from|for) ")
+PRESET = {**KV_WEIGHTS, "predicted_ttft": 1.0}      # kv-aware as shipped
+
+
+def _terms(text: str) -> tuple[float, list[float]]:
+    margin = float(re.search(r"won by (−?\d+\.\d\d)", text).group(1).replace("−", "-"))
+    return margin, [float(v) * (1 if s == "+" else -1) for s, v in TERM.findall(text)]
+
+
+def test_the_sentences_terms_add_up_to_the_margin():
+    """Every term the sentence lists, and nothing else, makes up the margin it states (to rounding):
+    loads that differ in every scorer at once, so no term may be left out."""
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(200):
+        replicas = [{**raw(f"sim-{i}", prefix=rng.choice([0, 16, 48, 96]), waiting=rng.randint(0, 6),
+                           inflight=rng.randint(0, 5), kv_usage=rng.random()),
+                     "prefill_ms_per_token": rng.choice([0.5, 1.0, 2.0]), "pending_prefill_tokens": rng.randint(0, 900)}
+                    for i in range(4)]
+        d = explain.counterfactual(shadow("sim-0", replicas), weights=PRESET)
+        text = explain.margin_sentence(d)
+        if "won by" not in text:
+            continue
+        margin, terms = _terms(text)
+        assert abs(sum(terms) - margin) <= 0.005 * (len(terms) + 1), text
+        # each term is one of the table's columns: a scorer with a weight
+        shown = set(explain.visible_scorers(d))
+        win, other = explain.winner(d), explain.runner_up(d)
+        listed = [c.scorer for c in explain.contributions(d, win, other) if abs(c.delta) >= 0.005]
+        assert set(listed) <= shown and len(listed) == len(terms), text
+        checked += 1
+    assert checked > 150
+
+
+def test_a_total_the_scorers_do_not_itemise_is_named_as_the_rest():
+    cands = [Candidate("a", {"prefix": 1.0, "inflight": 0.5}, 3.6, 96, True),
+             Candidate("b", {"prefix": 0.2, "inflight": 1.0}, 1.6, 16, False)]
+    d = Decision("ef" * 16, "kv-aware", "a", "prefix", False, {"prefix": 3.0, "inflight": 1.0}, cands, 128,
+                 96, 96, 0, 96, 1, 0.1)
+    text = explain.margin_sentence(d)
+    margin, terms = _terms(text)
+    assert margin == 2.0 and terms == [2.4, -0.5, 0.1], text
+    assert "from the rest of the totals" in text
+
+
+def test_a_round_robin_explanation_shows_the_table_its_terms_come_from(run: Path, capsys):
+    """The sentence weighs kv-aware's scorers for a round-robin request: their table is printed too,
+    so every term it names (predicted TTFT included) has a column."""
+    tid = OtlpFileSource(run / "traces").traces()[2].trace_id
+    assert cli.main(["explain", tid, "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "what kv-aware would have scored on the same inputs" in out
+    assert "prefix ×3" in out.split("what kv-aware would have scored", 1)[1]

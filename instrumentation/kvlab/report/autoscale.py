@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from kvlab.load.measure import Record
+from kvlab.report.figures import figure_html
 from kvlab.run.phases import PhaseResult
 
 FIGURE_ID = "kvlab-autoscale"
@@ -93,19 +93,18 @@ def section(phases: Mapping[str, PhaseResult], config: dict[str, Any] | None = N
         rows = "".join(f"<tr><td>{a['direction']}</td><td>{html.escape(a['replica'])}</td><td>{a['to']}</td>"
                        f"<td>{html.escape(a['reason'])}</td><td>{a['ready_ms']:.0f}</td></tr>"
                        for a in data.get("actions", []))
-        div = pio.to_html(figure(data, v.records), include_plotlyjs=False, full_html=False, config=config,
-                          div_id=FIGURE_ID)
-        parts.append(
-            f"<h2>Autoscaling under a load ramp ({html.escape(phase)})</h2>"
-            "<p class=\"note\">Top: the Locust users (the ramp) and completed requests per second. Middle: the "
-            "gateway's desired-replica recommendation (<code>kvlab_gateway_desired_replicas</code>, hover for its "
+        caption = (
+            "Top: the Locust users (the ramp) and completed requests per second. Middle: the "
+            "gateway's desired-replica recommendation (kvlab_gateway_desired_replicas, hover for its "
             "reason) and the replicas the stack's scaler runs; triangles are scaling actions "
-            "(<code>stack.scale</code> spans in the traces). Bottom: TTFT of every request and its median. "
+            "(stack.scale spans in the traces). Bottom: TTFT of every request and its median. "
             "Read it left to right: users rise, the queue grows, the recommendation rises, a replica starts "
             "(seconds later: process start), TTFT falls back; once the load drops the recommendation waits "
             f"the scale-down window ({s.get('scale_down_window_s', '?')} s) and the added replicas stop. "
-            "See docs/autoscaling.md.</p>"
-            f"<div>{div}</div>"
+            "See docs/autoscaling.md.")
+        parts.append(
+            f"<h2>Autoscaling under a load ramp ({html.escape(phase)})</h2>"
+            + figure_html(figure(data, v.records), caption, config, div_id=FIGURE_ID) +
             "<table><tr><th>action</th><th>replica</th><th>replicas after</th><th>reason</th><th>took (ms)</th></tr>"
             f"{rows}</table>")
     return "".join(parts)

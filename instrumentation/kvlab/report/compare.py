@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import plotly.graph_objects as go
-import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.results import COLUMNS, Row, cells, kv_path_warning
@@ -57,8 +57,21 @@ def balance(rows: list[Row]) -> go.Figure:
     return figures._layout(fig, "Requests per replica", barmode="stack")
 
 
-def _div(fig: go.Figure) -> str:
-    return f"<div>{pio.to_html(fig, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG)}</div>"
+CAPTIONS: dict[Callable[[list[Row]], go.Figure], str] = {
+    hit_vs_oracle: "Each router's engine hit rate (the share of prompt tokens its replicas reused) beside the "
+                   "oracle's: the best any router could reach on the requests it completed with the same "
+                   "caches. The label is the share of that ceiling reached.",
+    ttft: "Time to first token, p50 / p95 / p99, per router. Lower is better; a tall p99 beside a short p50 is "
+          "queueing behind cache misses or an overloaded replica.",
+    throughput: "Completed requests per second per router. Higher is better; under a closed loop, faster answers "
+                "mean more requests.",
+    balance: "Requests each replica served per router, stacked (from the replicas' own counters). An even stack is "
+             "a router that spreads load; a dominant colour is one replica taking most of it.",
+}
+
+
+def _div(figure: Callable[[list[Row]], go.Figure], rows: list[Row]) -> str:
+    return figures.figure_html(figure(rows), CAPTIONS[figure], PLOT_CONFIG)
 
 
 def _table(rows: list[Row]) -> str:
@@ -81,10 +94,11 @@ def render(document: RunDocument, records: dict[str, dict[str, list[Record]]]) -
     sections = [sweep_section(sw) for sw in document.sweeps.values()]
     for w, section in document.workloads.items():
         rows = section.routers
-        grid = "".join(_div(f) for f in (hit_vs_oracle(rows), ttft(rows), throughput(rows), balance(rows)))
+        grid = "".join(_div(f, rows) for f in (hit_vs_oracle, ttft, throughput, balance))
         warnings = "".join(f'<p class="note">{html.escape(x)}</p>' for x in filter(None, map(kv_path_warning, rows)))
+        cdf = figures.figure_html(figures.ttft_cdf(records[w]), figures.CAPTIONS["ttft_cdf"], PLOT_CONFIG)
         sections.append(f"<h2>{html.escape(w)}</h2><div class=\"meta\">{html.escape(section.oracle_note)}</div>"
-                        f"{_table(rows)}{warnings}<div class=\"grid\">{grid}</div>{_div(figures.ttft_cdf(records[w]))}")
+                        f"{_table(rows)}{warnings}<div class=\"grid\">{grid}</div>{cdf}")
     data = msgspec.json.encode(document).decode().replace("</", "<\\/")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>kvlab compare {html.escape(document.id)}</title>

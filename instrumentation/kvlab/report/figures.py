@@ -2,18 +2,55 @@
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from kvlab.load.measure import Record
 from kvlab.load.summary import Summary
 
 COLORS = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e", "#9467bd"]   # phase 1 red (before), 2 green (after)
 Records = list[Record]
+PLOT_CONFIG = {"displaylogo": False}
+
+# what to look at in each of the report's own figures, under it
+CAPTIONS = {
+    "ttft_cdf": "Each line is one phase (or router): the share of its requests (up) whose first token came "
+                "within the time across. Further left is faster. A cache hit pays prefill only for the uncached "
+                "end of its prompt, a miss for every token, so hits and misses form two steps; the better router "
+                "moves requests from the right step to the left one.",
+    "hit_rates": "Fractions of prompt tokens, per phase. available: cached on some replica (what a perfect router "
+                 "could reuse); predicted: cached on the replica the gateway chose; delivered: what the engine "
+                 "reported reusing. The drop from available to predicted is cache lost to routing, from predicted "
+                 "to delivered cache lost to eviction or a stale index.",
+    "throughput": "Requests completed per second, in 2-s bins from each phase's start. Higher is better; both "
+                  "phases start with empty caches, so watch where each settles.",
+    "requests_per_replica": "How many requests each replica served in each phase. Round-robin is even by "
+                            "construction; a cache-aware router follows the prompt groups, so its bars are as "
+                            "uneven as the groups' sizes and its load scorers allow.",
+    "ttft_by_replica_over_time": "Every request's TTFT (log scale) against when it was sent, one colour per phase. "
+                                 "Cache misses are the slow band at the top: under a cache-aware router it thins "
+                                 "out once each group's prefix is cached somewhere (hover a point for its replica "
+                                 "and cached tokens).",
+}
+
+
+def figure_html(fig: go.Figure, caption: str, config: dict[str, Any] | None = None, div_id: str | None = None) -> str:
+    """A figure for a report: its title as the HTML heading above the plot (plotly's toolbar sits in
+    the plot's top corner and would cover a title drawn inside it) and a caption under it."""
+    title = fig.layout.title.text or ""
+    bare = go.Figure(fig).update_layout(title=None)
+    if not bare.layout.annotations:          # subplot titles keep the margin they were drawn in
+        bare.update_layout(margin={"t": 36})
+    div = pio.to_html(bare, include_plotlyjs=False, full_html=False, config=config or PLOT_CONFIG, div_id=div_id)
+    heading = html.escape(title).replace("&lt;br&gt;", " ")
+    return (f'<figure class="fig"><h3>{heading}</h3>{div}'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
 def _layout(fig: go.Figure, title: str, **kw: Any) -> go.Figure:

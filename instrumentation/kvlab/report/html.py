@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from kvlab.compare.sweep import from_summaries
@@ -22,7 +21,7 @@ from kvlab.report.sweep import sweep_section
 from kvlab.run.phases import PhaseResult
 from kvlab.traces.mechanism import section as mechanism_section
 
-PLOT_CONFIG = {"displaylogo": False}
+PLOT_CONFIG = figures.PLOT_CONFIG
 
 
 def _table(summaries: Mapping[str, Summary]) -> str:
@@ -60,19 +59,19 @@ h1{font-size:1.6em;margin-bottom:.2em} .meta{color:#666;font-size:.9em}
 table{border-collapse:collapse;margin:12px 0} td,th{border-bottom:1px solid #ddd;padding:4px 12px;text-align:right}
 th:first-child{text-align:left} .grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 .note{color:#444;font-size:.92em;max-width:70em}
+figure.fig{margin:8px 0 16px} figure.fig h3{font-size:1em;margin:4px 0 0 8px}
+figcaption{color:#444;font-size:.88em;margin:2px 8px 0;max-width:70em}
 """
 
 NOTES = """
-<p class="note"><b>How to read this.</b> Both phases replay the same seeded workload against the same
-replicas, whose prefix caches are reset before each phase. <b>TTFT CDF</b>: a curve further left means
-faster first tokens; a cache miss pays prefill for every prompt token, a hit only for the uncached tail.
-<b>Hit-rate decomposition</b> (fractions of prompt tokens): <i>available</i> = the longest prefix cached on
-any replica (what a perfect router could reuse), <i>predicted</i> = cached on the replica the gateway
-chose, <i>delivered</i> = what the engine reported as <code>cached_tokens</code>. available − predicted is
-cache lost to routing; predicted − delivered is cache lost to eviction or a stale index.
-<b>Requests per replica</b>: round-robin spreads evenly and cache-blind; kv-aware follows the prefixes
-while its load scorers keep replicas from overloading. Traces of every request are under the run
-directory (<code>kvlab traces explain</code>).</p>
+<p class="note"><b>How to read this.</b> Every phase replays the same seeded workload against the same
+replicas, whose prefix caches are reset before each phase: only the routing changes. The table compares
+the phases; under each figure a caption says what to look at. The figures, top to bottom: the TTFT CDF
+(how fast first tokens came), the hit-rate decomposition (where prompt tokens were cached, and where the
+cache was lost), throughput over time, requests per replica (how each router spread the load), every
+request's TTFT over time, and, under "Why", the mechanism in this run: chained block hashes (why only
+prefixes are reusable) and where each prompt group's blocks lived (which replicas held which group).
+Traces of every request are under the run directory (<code>kvlab traces explain</code>).</p>
 """
 
 
@@ -87,11 +86,11 @@ def render(phases: Mapping[str, PhaseResult], meta: dict[str, Any], run_dir: Pat
     run_dir: the run's files (traces, summary.json) for the mechanism section, if any."""
     summaries = {p: v.summary for p, v in phases.items()}
     records = {p: v.records for p, v in phases.items()}
-    figs = [figures.ttft_cdf(records), figures.hit_rates(summaries), figures.throughput(records),
-            figures.requests_per_replica(records)]
-    divs = [pio.to_html(f, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG) for f in figs]
-    wide = pio.to_html(figures.ttft_by_replica_over_time(records), include_plotlyjs=False, full_html=False,
-                       config=PLOT_CONFIG)
+    figs = {"ttft_cdf": figures.ttft_cdf(records), "hit_rates": figures.hit_rates(summaries),
+            "throughput": figures.throughput(records), "requests_per_replica": figures.requests_per_replica(records)}
+    divs = [figures.figure_html(f, figures.CAPTIONS[name]) for name, f in figs.items()]
+    wide = figures.figure_html(figures.ttft_by_replica_over_time(records),
+                               figures.CAPTIONS["ttft_by_replica_over_time"])
     summary_json = json.dumps(msgspec.to_builtins(summaries)).replace("</", "<\\/")  # safe inside <script>
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     return f"""<!DOCTYPE html>
@@ -106,9 +105,9 @@ def render(phases: Mapping[str, PhaseResult], meta: dict[str, Any], run_dir: Pat
 {sweep_section(sweep) if (sweep := from_summaries(str(meta.get("workload", "")), summaries)) else ""}
 {pd_section(records, PLOT_CONFIG)}
 {autoscale_section(phases, PLOT_CONFIG)}
-<div class="grid">{''.join(f'<div>{d}</div>' for d in divs)}</div>
-<div>{wide}</div>
 {NOTES}
+<div class="grid">{''.join(divs)}</div>
+{wide}
 {mechanism_section(run_dir, phases, PLOT_CONFIG)}
 <script type="application/json" id="kvlab-summary">{summary_json}</script>
 </body></html>

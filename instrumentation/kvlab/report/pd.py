@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import plotly.io as pio
 
 from kvlab.load.measure import Record
-from kvlab.report.figures import COLORS, Records, _layout
+from kvlab.report.figures import COLORS, Records, _layout, figure_html
 
 
 def _p(values: list[float], q: float) -> str:
@@ -73,7 +72,9 @@ def section(records: Mapping[str, Records], plot_config: dict[str, Any] | None =
                         f"<td>{_p(ttft, 50)}</td><td>{_p(ttft, 95)}</td><td>{_p(itl, 50)}</td>"
                         f"<td>{_p(gaps, 99)}</td><td>{_p(worst, 50)}</td><td>{_p(worst, 95)}</td>"
                         f"<td>{_p(e2e, 50)}</td></tr>")
-    figure = pio.to_html(worst_gap_cdf(records), include_plotlyjs=False, full_html=False, config=plot_config)
+    figure = figure_html(worst_gap_cdf(records), "Each request's longest wait between two streamed tokens, as a CDF "
+                         "per phase: further left is smoother. A long prefill that shares an engine step with a "
+                         "stream stalls it; compare where the curves' tails end.", plot_config)
     return ("<h2>Prefill/decode disaggregation</h2>"
             "<p>Per phase, prompt kind and the gateway's P/D decision (<i>off</i>: P/D disabled; "
             "<i>fallback</i>: the prefill call failed and the request was served unified). "
@@ -83,4 +84,4 @@ def section(records: Mapping[str, Records], plot_config: dict[str, Any] | None =
             "<table><tr><th>phase</th><th>prompts</th><th>P/D</th><th>requests</th><th>TTFT p50</th>"
             "<th>TTFT p95</th><th>ITL p50</th><th>ITL p99</th><th>worst gap p50</th><th>worst gap p95</th>"
             "<th>e2e p50</th></tr>"
-            + "".join(rows) + "</table>" + f"<div>{figure}</div>")
+            + "".join(rows) + "</table>" + figure)

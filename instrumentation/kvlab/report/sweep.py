@@ -5,16 +5,17 @@ from __future__ import annotations
 import html
 
 import plotly.graph_objects as go
-import plotly.io as pio
 
 from kvlab.compare.sweep import HEADERS, Sweep, behind, knees, rows_of
 from kvlab.report import figures
 
-PLOT_CONFIG = {"displaylogo": False}
-
-
-def _div(fig: go.Figure) -> str:
-    return f"<div>{pio.to_html(fig, include_plotlyjs=False, full_html=False, config=PLOT_CONFIG)}</div>"
+CAPTIONS = ("Each router's TTFT p99 (solid) and p50 (dotted) at each offered rate. Lower is better; the rate "
+            "where a curve turns up steeply is its saturation knee.",
+            "The 99th percentile of the gaps between streamed tokens at each offered rate: how smooth streaming stays "
+            "as the replicas fill. Lower is better.",
+            "Completed requests per second (dotted) and goodput, those within the SLO above (solid), against the "
+            "offered rate; the grey diagonal is the offered rate itself. A router keeps up while its goodput follows "
+            "the diagonal.")
 
 
 def curves(s: Sweep) -> list[go.Figure]:
@@ -51,4 +52,4 @@ def sweep_section(s: Sweep) -> str:
            'understate the offered load.</p>' if behind(s) else ""
     return (f"<h2>{html.escape(s.workload)}: rate sweep</h2><div class=\"meta\">{html.escape(slo)} · saturation "
             f"knee: {html.escape(knees(s))}</div><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-            f"{late}<div class=\"grid\">{''.join(_div(f) for f in curves(s))}</div>")
+            f"{late}<div class=\"grid\">{''.join(map(figures.figure_html, curves(s), CAPTIONS))}</div>")

@@ -162,11 +162,11 @@ def sample_request(rows: list[RequestHits], policy: str | None = None) -> Reques
     return candidates[-1] if candidates else None
 
 
-def decision_table(d: Decision, all_scorers: bool = False) -> Table:
+def decision_table(d: Decision, all_scorers: bool = False, title: str | None = None) -> Table:
     """Candidates with their weighted scores (zero-weight scorers only with `all_scorers`), total,
     cached prefix and the raw load the scorers saw."""
     scorers = explain.visible_scorers(d, all_scorers)
-    table = Table(title=f"candidates — policy {d.policy}, chosen {d.chosen}, reason {d.reason}"
+    table = Table(title=f"{title or 'candidates'} — policy {d.policy}, chosen {d.chosen}, reason {d.reason}"
                         + (" (shadow scores: not used by the policy)" if d.shadow else ""))
     table.add_column("replica")
     for s in scorers:
@@ -258,6 +258,9 @@ def cmd_explain(source: TraceSource, args: argparse.Namespace, console: Console)
     ttft = next((r.ttft_ms for r in rows if r.trace_id == trace.trace_id), None)
     console.print(decision_table(d, args.all_scorers))
     kv = explain.kv_weights_of(x for t in traces if (x := decision_of(t)) is not None) if d.shadow else None
+    cf = explain.counterfactual(d, weights=kv) if d.shadow else None
+    if cf is not None and cf.chosen != d.chosen:     # the sentence weighs kv-aware's terms: show them
+        console.print(decision_table(cf, args.all_scorers, title="what kv-aware would have scored on the same inputs"))
     console.print(explain.sentence(d, kv))
     for line in explain_lines(d, ttft):
         console.print(line)

@@ -96,22 +96,28 @@ def _signed(x: float) -> str:
 
 def margin_sentence(d: Decision) -> str:
     """"sim-3 won by 0.26 over sim-1: +0.33 from fewer in-flight requests (1 vs 3) against −0.08
-    for a 48-token shorter cached prefix (48 vs 96)" — the scorers that decided, by their share."""
+    for a 48-token shorter cached prefix (48 vs 96)" — every weighted scorer that moved the margin,
+    each term a column of the decision's table (weight × score difference); the terms add up to the
+    margin, and whatever the totals hold beyond them is named as the rest."""
     win, other = winner(d), runner_up(d)
     if win is None:
         return "no candidate was chosen"
     if other is None:
         return f"{win.replica} was the only candidate"
     margin = (win.total or 0.0) - (other.total or 0.0)
-    parts = contributions(d, win, other)
-    pro = [c for c in parts if c.delta > 0.005]
-    con = [c for c in parts if c.delta < -0.005]
-    if not pro:
+    parts = [c for c in contributions(d, win, other) if abs(c.delta) >= 0.005]
+    pro = [c for c in parts if c.delta > 0]
+    con = [c for c in parts if c.delta < 0]
+    rest = margin - sum(c.delta for c in parts)
+    if not pro and margin < 0.005:
         return f"{win.replica} tied with {other.replica} at {win.total or 0.0:.2f} (no scorer separated them)"
     text = f"{win.replica} won by {margin:.2f} over {other.replica}: " + ", ".join(
-        f"{_signed(c.delta)} from {phrase(c.scorer, win, other)}" for c in pro[:2])
+        f"{_signed(c.delta)} from {phrase(c.scorer, win, other)}" for c in pro)
     if con:
-        text += " against " + ", ".join(f"{_signed(c.delta)} for {phrase(c.scorer, win, other)}" for c in con[:2])
+        text += (" against " if pro else "") + ", ".join(
+            f"{_signed(c.delta)} for {phrase(c.scorer, win, other)}" for c in con)
+    if abs(rest) >= 0.005:
+        text += f", {_signed(rest)} from the rest of the totals (terms under 0.005 each, or no scorer's)"
     return text
 
 

@@ -1,7 +1,7 @@
 """Pictures of the mechanism, generated from a run's own data: why only prefixes are reusable
 (chained block hashes of the workload's real token ids), where each prompt group's blocks live as
-eviction churns (groups × replicas over time), and the hit-rate funnel (available → predicted →
-delivered); plus three decisions of the run explained in words. `section(run_dir, ...)` is the
+eviction churns (groups × replicas over time); plus three decisions of the run explained in words
+(the hit-rate decomposition is the report's own bar chart). `section(run_dir, ...)` is the
 report's hook; lab 02 calls the figure functions directly.
 
 Residency comes from the decision spans: each records, for every replica, the cached prefix of
@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from kvlab.errors import KvlabError
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.measure import Record
-from kvlab.load.summary import Summary
+from kvlab.report.figures import figure_html
 from kvlab.run.document import read_run
 from kvlab.run.phases import PhaseResult
 from kvlab.traces import explain
@@ -140,13 +139,17 @@ def _matrix(res: Residency, state: dict[tuple[str, str], float]) -> list[list[fl
     return [[state.get((g, r), 0.0) for r in res.replicas] for g in res.groups]
 
 
+def _evictions(count: int) -> str:
+    return "no eviction seen" if not count else f"{count} eviction{'s' if count > 1 else ''} seen"
+
+
 def residency_figure(by_policy: dict[str, Residency], frames: int = 10) -> go.Figure:
     """Groups × replicas, one panel per policy: the cached fraction of each group's prompt on each
     replica (the slider steps through the phase; "mean" is the time average), the number in a cell
     is how many evictions of that group the replica reported."""
     policies = list(by_policy)
     fig = make_subplots(rows=1, cols=len(policies), subplot_titles=[
-        f"{p}: {sum(r.evictions.values())} evictions seen" for p, r in by_policy.items()], horizontal_spacing=0.08)
+        f"{p}: {_evictions(sum(r.evictions.values()))}" for p, r in by_policy.items()], horizontal_spacing=0.08)
 
     def snapshot(res: Residency, k: int | None) -> tuple[list[list[float]], list[list[str]]]:
         if k is None:
@@ -179,26 +182,6 @@ def residency_figure(by_policy: dict[str, Residency], frames: int = 10) -> go.Fi
     return _layout(fig, "Where each prompt group's blocks live (KV-event index at each request)", height)
 
 
-# ---- the funnel ---------------------------------------------------------------------------------
-
-def funnel_figure(summaries: Mapping[str, Summary]) -> go.Figure:
-    """available → predicted → delivered, token-weighted fractions of prompt tokens, per phase:
-    the drop from available to predicted is cache lost to routing, from predicted to delivered
-    cache lost to eviction or a stale index."""
-    fig = go.Figure()
-    colors = ["#d62728", "#2ca02c", "#1f77b4", "#ff7f0e"]
-    for i, (phase, s) in enumerate(summaries.items()):
-        hit = s.hit_rate
-        if hit.available is None or hit.predicted is None or hit.delivered is None:
-            continue     # not behind the gateway (a cluster's baseline Service): unknown, not 0
-        values = [hit.available, hit.predicted, hit.delivered]
-        fig.add_trace(go.Funnel(name=phase, y=["available (any replica)", "predicted (chosen replica)",
-                                               "delivered (engine reused)"], x=values,
-                                texttemplate="%{x:.0%}", marker=dict(color=colors[i % 4]),
-                                hovertemplate=phase + ": %{x:.1%} of prompt tokens<extra></extra>"))
-    return _layout(fig, "Hit-rate funnel: what was cached anywhere → on the chosen replica → actually reused")
-
-
 # ---- three decisions in words -------------------------------------------------------------------
 
 def examples(decisions: list[Decision]) -> dict[str, Decision | None]:
@@ -217,21 +200,40 @@ def examples_html(decisions: list[Decision]) -> str:
     kv = explain.kv_weights_of(decisions)
     items = []
     for label, d in examples(decisions).items():
-        if d is None:
-            items.append(f"<li><b>{label}</b>: none in this run.</li>")
+        if d is None:            # a run without such a decision: nothing to show, not an empty line
             continue
         items.append(f"<li><b>{label}</b> (<code>kvlab traces explain {d.trace_id[:12]}</code>): "
                      f"{html.escape(explain.sentence(d, kv))}</li>")
-    return "<ul class=\"note\">" + "".join(items) + "</ul>"
+    return "<ul class=\"note\">" + "".join(items) + "</ul>" if items else ""
 
 
 # ---- the report's section -----------------------------------------------------------------------
 
-def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[go.Figure], list[Decision]]:
-    """The chain, residency and funnel figures of a run (those its data allows) and its decisions."""
+CHAIN_CAPTION = ("Three prompts as rows of KV blocks; a block is green where its key equals prompt A's at the same "
+                 "position, and its label is the key's last four hex digits. A key hashes the previous block's key "
+                 "with this block's tokens, so equal keys mean equal prefixes: B shares A's blocks up to where its "
+                 "question starts, and one changed token gives every later block a new key. Only a common prefix "
+                 "is reusable.")
+RESIDENCY_CAPTION = ("One panel per phase: rows are prompt groups, columns replicas. A cell's shade is the share of "
+                     "the group's prompt the gateway's KV-event index held on that replica, averaged over the phase "
+                     "(\"mean\") or as it stood after 10 %, 20 %, … 100 % of the phase's requests (drag the \"phase "
+                     "progress\" slider). The number in a cell counts evictions of that group from that replica: its "
+                     "cached share fell by at least a quarter of the prompt between two requests of the group. A "
+                     "cache-blind router smears each group over every column and keeps losing it; a cache-aware one "
+                     "keeps each group in one column.")
+
+
+@dataclass(frozen=True)
+class Picture:
+    figure: go.Figure
+    caption: str        # what to look at
+
+
+def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[Picture], list[Decision]]:
+    """The chain and residency figures of a run (those its data allows) and its decisions."""
     from kvlab.traces.sources.otlp_files import OtlpFileSource
 
-    figs: list[go.Figure] = []
+    figs: list[Picture] = []
     doc = read_run(run_dir / "summary.json")
     wl = doc.workload or {}
     if isinstance(wl, str):          # lab 02 recorded the workload by name
@@ -242,7 +244,7 @@ def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[go.F
         a = next(((g, t) for g, t in prompts), None)
         b = next((t for g, t in prompts[1:] if a and g == a[0]), None)
         if a is not None and b is not None:
-            figs.append(chain_figure(a[1], b, int(block), f"another prompt of group {a[0]}"))
+            figs.append(Picture(chain_figure(a[1], b, int(block), f"another prompt of group {a[0]}"), CHAIN_CAPTION))
     decisions: list[Decision] = []
     traces_dir = run_dir / "traces"
     if traces_dir.is_dir():
@@ -251,10 +253,7 @@ def figures(run_dir: Path, phases: Mapping[str, PhaseResult]) -> tuple[list[go.F
         records = [r for v in phases.values() for r in v.records]
         res = residency(traces, records)
         if res:
-            figs.append(residency_figure(res))
-    funnel = funnel_figure({p: v.summary for p, v in phases.items()})
-    if funnel.data:
-        figs.append(funnel)
+            figs.append(Picture(residency_figure(res), RESIDENCY_CAPTION))
     return figs, decisions
 
 
@@ -267,7 +266,6 @@ def section(run_dir: Path | None, phases: Mapping[str, PhaseResult], config: dic
         figs, decisions = figures(run_dir, phases)
     except (KvlabError, OSError, ValueError, KeyError) as exc:   # the rest of the report still stands
         return f'<p class="note">The mechanism section could not be drawn: {html.escape(str(exc))}</p>'
-    divs = "".join(f"<div>{pio.to_html(f, include_plotlyjs=False, full_html=False, config=config)}</div>"
-                   for f in figs)
+    divs = "".join(figure_html(p.figure, p.caption, config) for p in figs)
     words = examples_html(decisions) if decisions else ""
     return f'<h2>Why: the mechanism in this run</h2><div class="mechanism">{divs}</div>{words}'

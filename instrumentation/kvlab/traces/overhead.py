@@ -10,7 +10,7 @@ taken out too: the twin models those slots.
 
 That is what a model of the engines leaves out: Locust, the gateway, the HTTP hops, the replica's
 request handling and the first token's way back. The cluster twin's `--request-overhead-ms` is this
-time (docs/twin.md, "Validation"); on a loaded 2-core machine it is tens to hundreds of milliseconds.
+time (docs/twin-validation.md); on a loaded 2-core machine it is tens to hundreds of milliseconds.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Lab 06 · Dashboards: what to watch in production
+# # Lab 03 · Dashboards: what to watch in production
 #
 # **Objectives**
 # 1. Find the before/after **HTML report** of your run (local) and the **Grafana** dashboards (kind).
@@ -22,7 +22,9 @@
 # 3. Learn which few signals tell you, in production, whether KV-aware routing is paying off and
 #    what to do when it is not.
 #
-# Time: about 10 s after labs 01–02 (about 60 s alone: it runs two short phases first).
+# **Time:** about 10 s after labs 01–02 (about 60 s alone: it runs two short phases first).
+# **Stack:** reuses lab 00's `quickstart` stack (4 replicas) and labs 01–02's phases; starts the
+# stack and runs both phases if missing.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local | kind-cpu | kind-gpu
@@ -73,7 +75,7 @@ display(FileLink(str(report.relative_to(Path.cwd())) if report.is_relative_to(Pa
 # | **kvlab · Before / after** | is TTFT lower and throughput higher with this policy? |
 # | **kvlab · Routing** | where do requests go, why (decisions by reason), and how much cache is lost to routing vs to the index? |
 # | **kvlab · Replicas** | is any engine queueing, out of KV space, preempting? |
-# | **kvlab · P/D and data parallel** | split vs unified decisions, KV transfer time, per-rank load (labs 04–05) |
+# | **kvlab · P/D and data parallel** | split vs unified decisions, KV transfer time, per-rank load (labs 05–06) |
 #
 # On kind, Grafana is published on 127.0.0.1:30300. Locally, the stack's Prometheus scraped every
 # replica and gateway during the labs; below, the same panels are drawn from it with the same queries
@@ -109,8 +111,8 @@ if stack.prometheus:
 #
 # | signal (panel) | healthy | when it is not |
 # |---|---|---|
-# | **TTFT p95 by policy** (Before / after) | stable, well below your SLO | a rising tail with a flat hit rate is queueing: add replicas (lab 05's autoscaling signal) |
-# | **available − predicted**, "cache lost to routing" (Routing) | near 0 for kv-aware | load scorers overrule the prefix too often (lab 03's `load-over-prefix`): the pool is saturated, or the weights favour load too much |
+# | **TTFT p95 by policy** (Before / after) | stable, well below your SLO | a rising tail with a flat hit rate is queueing: add replicas (lab 06's autoscaling signal) |
+# | **available − predicted**, "cache lost to routing" (Routing) | near 0 for kv-aware | load scorers overrule the prefix too often (lab 04's `load-over-prefix`): the pool is saturated, or the weights favour load too much |
 # | **predicted − delivered**, "lost to index / eviction" (Routing) | near 0 | the index is stale (KV-event stream disconnected: see **KV-event gaps** and index blocks) or caches evict before reuse (KV too small for the working set) |
 # | **Engine prefix-cache hit rate** (Replicas) | high and even across replicas | one replica low = it gets the cold groups; all low = the working set does not fit the fleet's KV |
 # | **Waiting (queue)** and **KV-cache usage** (Replicas) | short queues, usage below ~90 % | one hot replica = a popular prefix pinned to it: prefix-aware load scores (or replicate hot prefixes) |
@@ -122,6 +124,10 @@ if stack.prometheus:
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - the report embeds plotly
+# - with Prometheus: the TTFT-by-policy panel has kv-aware; kv-aware's delivered hit rate > 40 % and above
+#   round-robin's; the engines' hit-rate panel has series
 
 # %%
 assert report.exists() and "plotly" in report.read_text()[:200_000].lower(), "the report should embed plotly"
@@ -144,8 +150,8 @@ print("✓ report written; dashboards read from the stack's Prometheus" if stack
 # | symptom | what to do |
 # |---|---|
 # | `prometheus: not running` | `apt-get install prometheus` (kvlab runs its own on a free port; stop the system service on :9090 if it starts) and start a new stack (`kvlab down`, re-run lab 00). |
-# | a panel with no series | the window holds no traffic (run labs 01–02 first), or the metric belongs to a part not running (P/D, autoscaling panels need labs 04–05). |
+# | a panel with no series | the window holds no traffic (run labs 01–02 first), or the metric belongs to a part not running yet (the P/D and autoscaling panels fill once labs 05–06 run). |
 # | round-robin missing from gateway panels | its gateway ran before Prometheus was up (Prometheus follows `runs/<id>/prometheus/targets/gateway.json`): re-run labs 01–02. |
 # | Grafana "No data" (kind) | Prometheus targets on http://127.0.0.1:30090/targets must be UP (docs/kind.md). |
 #
-# Done with the labs? `kvlab down` stops the local stack (`nb.stop_stack()` from here).
+# The stack keeps running: lab 04 reads the traces of the same two phases.

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Lab 03 · Traces: why did this request go there?
+# # Lab 04 · Traces: why did this request go there?
 #
 # **Objectives**
 # 1. Open one request's trace — Locust user → gateway → replica, one trace id — as a waterfall
@@ -24,7 +24,9 @@
 # 3. Decompose the hit rate per request: **available → predicted → delivered**, for both policies.
 # 4. Make the gateway choose **load over cache**, and find that decision in its trace.
 #
-# Time: about 20 s after labs 01–02; about 60 s alone (it runs two short phases first).
+# **Time:** about 20 s after labs 01–02; about 60 s alone (it runs two short phases first).
+# **Stack:** reuses lab 00's `quickstart` stack (4 replicas) and labs 01–02's phases; starts the
+# stack and runs both phases if missing. The next lab switches topology.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local | kind-cpu | kind-gpu
@@ -136,8 +138,7 @@ hitrate_figure(rows).show()
 # 2. keep the holder busy with a burst of requests of that prefix (long outputs, so they stay in flight);
 # 3. meanwhile send a *probe*: the same prefix followed by a long new question (~3,300 tokens), so
 #    only ~10 % of its prompt is cached. Prefix score 3 × 0.1 ≈ 0.3 no longer beats an idle
-#    replica's in-flight score of 1. (With a ~25 % share, 0.75, the holder's predicted-TTFT lean
-#    decided it in about 1 run in 30.)
+#    replica's in-flight score of 1, even with the holder's predicted-TTFT lean added.
 #
 # We give the probe our own W3C `traceparent`, so we know its trace id before it is sent.
 
@@ -201,6 +202,11 @@ print("kv-aware decisions by reason:", reasons)
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - one trace id spans client, gateway and replica, the replica's prefill span included
+# - kv-aware chose the replica with the best prefix; round-robin left cache unused (shadow scores)
+# - kv-aware's predicted hit rate is round-robin's + 20 points or more
+# - the probe was routed for load (`load-over-prefix`), leaving the holder's cache unused
 
 # %%
 assert {"kvlab-gateway", "kvlab-locust"} <= set(trace.services) and len(trace.services) >= 3, \

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Lab 04 · Prefill/decode disaggregation: split or unified?
+# # Lab 05 · Prefill/decode disaggregation: split or unified?
 #
 # **Objectives**
 # 1. Run a stack with a **prefill** pool and a **decode** pool (2 + 2 simulated replicas).
@@ -25,7 +25,11 @@
 # 4. Compare unified KV-aware serving with P/D on a mixed workload — and see when splitting does
 #    *not* pay.
 #
-# Time: about 50 s (two 15 s phases). Reference: docs/pd.md.
+# Reference: docs/pd.md.
+#
+# **Time:** about 50 s (two 15 s phases).
+# **Stack:** starts `pd` (4 replicas: 2 prefill + 2 decode), stopping the `quickstart` stack of
+# labs 00–04; leaves it running.
 
 # %% tags=["parameters"]
 TARGET = "local"             # local only for now: kind renders the pd topology, this lab is untested there
@@ -202,6 +206,12 @@ for (decision, reason), count in sorted(by_reason.items()):
 
 # %% [markdown]
 # ## Checkpoints
+# The cells below assert:
+# - a short prompt stays unified (`short-prompt`), a long uncached one splits, the long one again stays
+#   unified (`cached-on-decode`)
+# - one trace holds both sides of the split, and the decode replica pulled KV
+# - ≥ 90 % of long fresh prompts split, ≥ 60 % of cached ones unified; every `gateway.pd_decision` obeys
+#   split ⇔ uncached ≥ threshold; no errors
 
 # %%
 assert decisions["short prompt"]["decision"] == "unified" and decisions["short prompt"]["reason"] == "short-prompt"
