@@ -30,9 +30,12 @@ SPAN_PD_PREPARE = "prepare_disaggregation"
 SPAN_PREFILL_CALL = "llm_d.pd_proxy.prefill"
 SPAN_DECODE_CALL = "llm_d.pd_proxy.decode"
 UPSTREAM_NAMED_CALLS = frozenset({SPAN_PREFILL_CALL, SPAN_DECODE_CALL})   # calls named by llm-d, not GenAI
+LLMD_SPANS = frozenset({SPAN_EPP_REQUEST, SPAN_GATEWAY_REQUEST, SPAN_SCHEDULE, SPAN_FILTER, SPAN_SCORING, SPAN_PICK,
+                        SPAN_INDEX_LOOKUP, SPAN_PD_DECISION, SPAN_PD_PREPARE, SPAN_PREFILL_CALL, SPAN_DECODE_CALL})
 # vllm-project/vllm vllm/v1/engine/output_processor.py: SERVER, one per request on a replica (the
 # simulator's, as real vLLM's); engine.queue/prefill/decode/kv_transfer/moe_dispatch are kvlab's
 SPAN_ENGINE_REQUEST = "llm_request"
+VLLM_SPANS = frozenset({SPAN_ENGINE_REQUEST})
 # kvlab's own spans
 SPAN_UPSTREAM = "gateway.upstream"              # CLIENT, propagates context to the replica
 SPAN_ENGINE_QUEUE = "engine.queue"

@@ -49,6 +49,15 @@ class Span:
             return names.RENAMED_ROLES.get(role, role)
         return names.RENAMED_SPANS.get(self.name, self.name)
 
+    @property
+    def origin(self) -> str:
+        """Whose name the span carries: `llm-d` (llm-d-router's), `vLLM`, or `kvlab` (kvlab's own,
+        the GenAI-named client calls included); docs/tracing.md has the table."""
+        role = self.role
+        if role in names.LLMD_SPANS or role.startswith(names.SPAN_SCORER_PREFIX):
+            return "llm-d"
+        return "vLLM" if role in names.VLLM_SPANS else "kvlab"
+
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attributes.get(key, default)
 
