@@ -23,7 +23,8 @@ from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import RouteRequest
 from kvlab.telemetry import names
-from kvlab.traces.span import Span
+from kvlab.traces.decision import decision_of
+from kvlab.traces.span import Span, Trace
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "upstream_span_names.json").read_text())
 NAMED = [(project, kind, name, entry["constant"]) for project in ("llm-d", "vllm")
@@ -76,8 +77,11 @@ def test_schedule_spans_have_llm_ds_shape_one_scorer_span_per_scorer() -> None:
         parent = spans[child].parent
         assert parent is not None and parent.span_id == run.context.span_id
     scorer_spans = [sp for sp in finished if sp.name.startswith(names.SPAN_SCORER_PREFIX)]
-    assert [sp.name for sp in scorer_spans] == [names.SPAN_SCORER_PREFIX + sc.name for sc, _ in ranker.scorers]
-    for sp, (sc, w) in zip(scorer_spans, ranker.scorers, strict=True):
+    weighted = [(sc, w) for sc, w in ranker.scorers if w]     # the policy's scorers, as an llm-d profile's
+    assert len(weighted) > 1 and [sp.name for sp in scorer_spans] == [names.SPAN_SCORER_PREFIX + sc.name
+                                                                      for sc, _ in weighted]
+    assert (spans[names.SPAN_SCORING].attributes or {})[names.LLMD_SCORER_COUNT] == len(weighted)
+    for sp, (sc, w) in zip(scorer_spans, weighted, strict=True):
         assert sp.parent is not None and sp.parent.span_id == scoring.context.span_id
         a = sp.attributes or {}
         scores = [c.scores[sc.name] for c in d.candidates]
@@ -86,3 +90,17 @@ def test_schedule_spans_have_llm_ds_shape_one_scorer_span_per_scorer() -> None:
         assert a[names.LLMD_SCORER_SCORE_AVG] == pytest.approx(sum(scores) / len(scores))
         assert a[names.LLMD_SCORER_ENDPOINTS_SCORED] == 3
     assert (spans[names.SPAN_PICK].attributes or {})[names.LLMD_PICKER_TOP_ENDPOINTS][0] == d.best.name
+
+
+def test_kvlab_traces_explain_reads_a_trace_written_with_the_old_names() -> None:
+    tid = "c" * 32
+    cands = '[{"replica": "sim-0", "prefix_tokens": 64, "scores": {"prefix": 1.0}, "total": 3.0}]'
+    spans = [Span(tid, "1" * 16, None, "chat m", "kvlab-gateway", "server", 0, 100,
+                  {names.SPAN_ROLE: "gateway.request", names.POLICY: "kv-aware", names.PREFIX_AVAILABLE_TOKENS: 64}),
+             Span(tid, "2" * 16, "1" * 16, "gateway.schedule", "kvlab-gateway", "internal", 1, 2,
+                  {names.SCHEDULE_CHOSEN: "sim-0", names.SCHEDULE_REASON: "prefix", names.SCHEDULE_CANDIDATES: cands}),
+             Span(tid, "3" * 16, "1" * 16, "chat m", "kvlab-sim", "server", 3, 90,
+                  {names.SPAN_ROLE: "engine.request", names.ENGINE_CACHED_TOKENS: 64})]
+    d = decision_of(Trace(tid, spans))
+    assert d is not None and d.chosen == "sim-0" and d.reason == "prefix" and d.policy == "kv-aware"
+    assert d.available == 64 and d.delivered == 64 and d.candidates[0].prefix_tokens == 64

@@ -91,18 +91,20 @@ def lookup(tracer: trace.Tracer, parent: Context, routed: Routed, router: Router
 
 
 def steps(tracer: trace.Tracer, parent: Context, d: Decision, ranker: Ranker) -> None:
-    """filter_endpoints, llm_d.epp.scoring (one llm_d.epp.scorer.<type> per scorer) and
-    pick_endpoints, with llm-d's attributes."""
+    """filter_endpoints, llm_d.epp.scoring (one llm_d.epp.scorer.<type> per scorer of the policy:
+    those with a weight, as an llm-d profile lists them; kvlab's shadow scores of the others are in
+    kvlab.schedule.candidates) and pick_endpoints, with llm-d's attributes."""
     p = d.phases
     if p is None:
         return
     kept = [c for c in d.candidates if c.name not in d.filtered] if d.filtered else d.candidates
     _child(tracer, parent, names.SPAN_FILTER, p.filter_start, p.scoring_start, {
         names.LLMD_FILTER_CANDIDATES: len(d.candidates), names.LLMD_FILTER_FILTERED: len(kept)})
+    weighted = [(scorer, weight, times) for (scorer, weight), times in zip(ranker.scorers, p.scorers) if weight]
     scoring = tracer.start_span(names.SPAN_SCORING, context=parent, start_time=p.scoring_start, attributes={
-        names.LLMD_SCORER_COUNT: len(ranker.scorers), names.LLMD_SCORING_CANDIDATES: len(kept)})
+        names.LLMD_SCORER_COUNT: len(weighted), names.LLMD_SCORING_CANDIDATES: len(kept)})
     inner = trace.set_span_in_context(scoring)
-    for (scorer, weight), (start, end) in zip(ranker.scorers, p.scorers):
+    for scorer, weight, (start, end) in weighted:
         scores = [c.scores[scorer.name] for c in kept if scorer.name in c.scores]
         attrs: dict[str, AttributeValue] = {
             names.LLMD_SCORER_TYPE: scorer.name, names.LLMD_SCORER_NAME: scorer.name,
