@@ -18,7 +18,7 @@
 #
 # **Objectives**
 # 1. Open one request's trace — Locust user → gateway → replica, one trace id — as a waterfall
-#    (and in Jaeger when the stack runs one).
+#    (and in Jaeger when the stack runs one), and tell llm-d's spans, vLLM's and kvlab's additions apart.
 # 2. Read the gateway's routing decision: every candidate's per-scorer scores, the weights, the
 #    chosen replica and how much of the prompt each one had cached ("why this replica").
 # 3. Decompose the hit rate per request: **available → predicted → delivered**, for both policies.
@@ -77,11 +77,26 @@ rows = request_hits(traces, load_requests(run_dir))
 print(f"{len(traces)} traces from {source.describe()}; {len(rows)} gateway requests")
 
 # %% [markdown]
-# ## 2. One request, end to end
-# A kv-aware request that found its prefix cached. The waterfall shows the Locust user's
-# `client.request`, the gateway's `gateway.request` (tokenization is on it) with `gateway.schedule` and
-# `gateway.upstream`, then the replica's `engine.request` with `engine.queue`, `engine.prefill`
-# (hover it: computed vs cached tokens) and `engine.decode`. One trace id, three services.
+# ## 2. One request, end to end, as llm-d and vLLM trace it
+# A kv-aware request that found its prefix cached. Its spans carry llm-d's and vLLM's names where
+# they are the same step, so what you search for here is what you search for in a production
+# llm-d's Jaeger or Tempo (docs/tracing.md has the table, with each name's source file):
+#
+# - **llm-d's** (llm-d-router): the gateway's `gateway.request_orchestration` (tokenization is on
+#   it), its scheduling `run_scheduler_profile` with `index_lookup` (the KV-block index:
+#   `llm_d.kv_cache.lookup.blocks_found`), `filter_endpoints`, `llm_d.epp.scoring` with one
+#   `llm_d.epp.scorer.<type>` per scorer of the policy (`llm_d.epp.scorer.score.max`/`.avg`) and
+#   `pick_endpoints`; under P/D (lab 04) `pick_disagg_profile`, `prepare_disaggregation` and the
+#   proxy's `llm_d.pd_proxy.prefill`/`.decode` legs with `llm_d.pd_proxy.true_ttft_ms`;
+# - **vLLM's**: the replica's `llm_request`, with `gen_ai.latency.time_in_queue`,
+#   `time_in_model_prefill`, `time_to_first_token` ... — the simulator emits it as real vLLM does;
+# - **kvlab's additions**: the Locust user's root span and the gateway's upstream call (named
+#   `{operation} {model}` by the OpenTelemetry GenAI conventions), the engine's `engine.queue`,
+#   `engine.prefill` (hover it: computed vs cached tokens) and `engine.decode` children, and on
+#   llm-d's spans the `kvlab.*` attributes llm-d does not record: every candidate's per-scorer
+#   scores, the prefix tokens available / predicted / delivered, the decision in words.
+#
+# One trace id, three services.
 
 # %%
 kv_rows = [r for r in rows if r.policy == "kv-aware" and r.available > 0 and r.ttft_ms is not None]
@@ -92,11 +107,17 @@ if stack.jaeger:
 else:
     print(f"trace {trace.trace_id} — in a terminal: kvlab traces show {trace.trace_id[:12]} --run-dir {run_dir}")
 waterfall_figure(trace).show()
+shown = (n.LLMD_SCORER_SCORE_MAX, n.LLMD_LOOKUP_BLOCKS_FOUND, n.VLLM_LATENCY_QUEUE, n.VLLM_LATENCY_PREFILL)
+for depth, span in trace.walk():
+    facts = ", ".join(f"{k.rsplit('.', 2)[-2]}.{k.rsplit('.', 1)[-1]}={span.attr(k):.3g}" for k in shown
+                      if isinstance(span.attr(k), (int, float)))
+    print(f"{'  ' * depth}{span.name:<{44 - 2 * depth}} {span.origin:<6} {span.service:<14} {facts}")
 
 # %% [markdown]
 # ## 3. Why this replica
-# The `gateway.schedule` span carries the candidates as JSON: per-scorer scores (0–1), the weights,
-# the weighted total and the prefix cached on each replica. The chosen one is starred.
+# llm-d's scorer spans say only each scorer's best and average score. kvlab's additions on
+# `run_scheduler_profile` carry every candidate as JSON: per-scorer scores (0–1), the weights, the
+# weighted total and the prefix cached on each replica. The chosen one is starred.
 
 # %%
 d = decision_of(trace)
@@ -212,6 +233,11 @@ print("kv-aware decisions by reason:", reasons)
 assert {"kvlab-gateway", "kvlab-locust"} <= set(trace.services) and len(trace.services) >= 3, \
     f"one trace id should span client, gateway and replica: {trace.services}"
 assert trace.find(n.SPAN_ENGINE_PREFILL), "the replica's prefill span should be in the trace"
+assert {"llm-d", "vLLM", "kvlab"} <= {s.origin for s in trace}, "llm-d's, vLLM's and kvlab's spans in one trace"
+scorer_spans = [s for s in trace if s.name.startswith(n.SPAN_SCORER_PREFIX)]
+assert len(scorer_spans) == sum(1 for w in d.weights.values() if w) and \
+    all(s.attr(n.LLMD_SCORER_SCORE_MAX) is not None for s in scorer_spans), "one llm_d.epp.scorer.<type> per weighted scorer"
+assert isinstance(trace.attr(n.VLLM_LATENCY_QUEUE, [n.SPAN_ENGINE_REQUEST]), float), "vLLM's llm_request latencies"
 assert d.chosen == sample.replica and d.predicted == d.available, "kv-aware chose the replica with the best prefix"
 assert d_rr.shadow and d_rr.available > d_rr.predicted, "round-robin ignored a cached prefix (shadow scores)"
 stats = summarize(rows)

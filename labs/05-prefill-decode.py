@@ -96,7 +96,7 @@ for name, p in probes.items():
           f"prefill on {p['prefill'] or '–'}, cached_tokens {p['cached']}")
 
 # %% [markdown]
-# The reasons are on the `gateway.pd_decision` span (spans arrive within a few seconds):
+# The reasons are on llm-d's `pick_disagg_profile` span (kvlab's `kvlab.pd.*` additions) (spans arrive within a few seconds):
 
 # %%
 traces = {name: nb.wait_trace(stack, p["trace_id"], spans=(n.SPAN_PD_DECISION,)) for name, p in probes.items()}
@@ -110,17 +110,23 @@ for name, t in traces.items():
 
 # %% [markdown]
 # ## 2. A split, span by span
-# `gateway.pd_decision`, then `gateway.prefill_call` → the prefill replica's `engine.request`
-# (`kvlab.pd.role=prefill`, one output token), then `gateway.decode_call` → the decode replica's
-# `engine.request` with `engine.kv_transfer` (tokens pulled, from which replica) before its short
-# prefill (only the last partial block) and decode. One trace id across three services.
+# llm-d's names: `pick_disagg_profile` (with the prefill pool's `run_scheduler_profile` under it),
+# `prepare_disaggregation`, then the P/D proxy's `llm_d.pd_proxy.prefill` → the prefill replica's
+# vLLM `llm_request` (`kvlab.pd.role=prefill`, one output token), then `llm_d.pd_proxy.decode` → the
+# decode replica's `llm_request` with kvlab's `engine.kv_transfer` (tokens pulled, from which
+# replica) before its short prefill (only the last partial block) and decode. The decode leg carries
+# llm-d's `llm_d.pd_proxy.true_ttft_ms`: the request's start to the decode call's, the routing,
+# prefill and coordination that the engines' own metrics miss. One trace id across three services.
 
 # %%
-# both replicas' engine.request spans: each process exports on its own schedule
+# both replicas' llm_request spans: each process exports on its own schedule
 split_trace = nb.wait_trace(stack, probes["long, uncached"]["trace_id"],
                             spans=(n.SPAN_PREFILL_CALL, n.SPAN_DECODE_CALL, n.SPAN_ENGINE_KV_TRANSFER,
                                    n.SPAN_ENGINE_REQUEST, n.SPAN_ENGINE_REQUEST))
 waterfall_figure(split_trace).show()
+decode_leg = split_trace.first(n.SPAN_DECODE_CALL)
+print({k.rsplit(".", 1)[-1]: decode_leg.attr(k) for k in (n.LLMD_PD_TRUE_TTFT_MS, n.LLMD_PD_PREFILL_MS,
+                                                          n.LLMD_PD_DECODE_MS, n.LLMD_PD_COORDINATOR_MS)})
 transfer = split_trace.first(n.SPAN_ENGINE_KV_TRANSFER)
 print({k.split(".")[-1]: transfer.attr(k) for k in (n.KV_TRANSFER_TOKENS, n.KV_TRANSFER_LOCAL_TOKENS,
                                                    n.KV_TRANSFER_OFFERED_TOKENS, n.KV_TRANSFER_MS)})
@@ -170,7 +176,7 @@ fig.show()
 worst_gap_cdf(records).show()
 
 # %% [markdown]
-# Every decision of the run, from the `gateway.pd_decision` spans: the rule is
+# Every decision of the run, from the `pick_disagg_profile` spans: the rule is
 # `split ⇔ uncached ≥ threshold` (and the prompt itself not shorter than the threshold). A
 # shared-prefix request is split when its decode replica did not hold the prefix yet — the first
 # of its group there, or when load sent it to the other decode replica.
@@ -232,7 +238,7 @@ print(f"✓ split {len(longs)} long prompts, kept {sum(r.pd == 'unified' for r i
 # ## Troubleshooting
 # | symptom | what to do |
 # |---|---|
-# | every decision `unified`, no `gateway.pd_decision` span | the topology has no `prefill` pool, or `pd.enabled: false` in the policy (`kv-aware-unified`). |
+# | every decision `unified`, no `pick_disagg_profile` span | the topology has no `prefill` pool, or `pd.enabled: false` in the policy (`kv-aware-unified`). |
 # | `fallback` decisions | the prefill call failed (span event `pd.fallback_unified` says why): read the prefill replica's log in `runs/<id>/logs/`. |
 # | the long probe `unified` with `cached-on-decode` | its prefix was already cached (re-running the cell without a new tag): run the cell again, it draws a new tag. |
 # | real vLLM: every split falls back | vLLM needs a KV connector on both pools (`--kv-transfer-config`, docs/pd.md). |

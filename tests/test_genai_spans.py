@@ -1,11 +1,15 @@
-"""The spans of a real lab run follow the OpenTelemetry GenAI semantic conventions.
+"""The spans of a real lab run follow the OpenTelemetry GenAI semantic conventions and carry
+llm-d's and vLLM's names where they are the same step.
 
 The session's `kvlab lab --quick` (conftest.quick_lab: simulated replicas, the gateway, real Locust
-users, the OTLP sink) writes its spans; read back from the sink's files, every GenAI span — the Locust user's, the gateway's
-request and upstream call, the replica's — must be named `{gen_ai.operation.name}
-{gen_ai.request.model}` and carry the required and recommended attributes
-(open-telemetry/semantic-conventions-genai docs/gen-ai/gen-ai-spans.md, inference span), and no
-span may still carry a kvlab.* name the conventions now define.
+users, the OTLP sink) writes its spans; read back from the sink's files, every GenAI span — the
+Locust user's, the gateway's request and upstream call, the replica's — must carry the required and
+recommended attributes (open-telemetry/semantic-conventions-genai docs/gen-ai/gen-ai-spans.md,
+inference span), the client's and the upstream call's be named `{gen_ai.operation.name}
+{gen_ai.request.model}`, the gateway's request be llm-d's `gateway.request_orchestration` and the
+replica's vLLM's `llm_request`; and no span may still carry a kvlab.* name the conventions now
+define. The gateway's schedule has llm-d's shape (one `llm_d.epp.scorer.<type>` per scorer of the
+policy) and the simulator's `llm_request` vLLM's latency attributes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def test_genai_spans_of_a_lab_run(run: Path):
             assert op in ("chat", "text_completion"), (role, a)
             assert a.get(n.GEN_AI_PROVIDER_NAME) == n.GEN_AI_PROVIDER_VLLM, (role, a)
             assert isinstance(requested, str) and requested and (model is None or requested == model)
-            assert s.name == f"{op} {requested}", (role, s.name)
+            named = role if role in (n.SPAN_GATEWAY_REQUEST, n.SPAN_ENGINE_REQUEST) else f"{op} {requested}"
+            assert s.name == named, (role, s.name)
             assert isinstance(a.get(n.SERVER_ADDRESS), str) and a[n.SERVER_ADDRESS], (role, a)
             assert isinstance(a.get(n.SERVER_PORT), int) and a[n.SERVER_PORT] > 0, (role, a)
             assert s.kind == ("server" if role in (n.SPAN_GATEWAY_REQUEST, n.SPAN_ENGINE_REQUEST) else "client")
@@ -64,3 +69,29 @@ def test_genai_spans_of_a_lab_run(run: Path):
            (engine.attributes[n.SERVER_ADDRESS], engine.attributes[n.SERVER_PORT])
     for s in spans:
         assert not set(REPLACED) & set(s.attributes), (s.name, s.attributes)
+
+
+def test_llm_d_and_vllm_shapes_of_a_lab_run(run: Path):
+    traces = OtlpFileSource(run / "traces").traces()
+    spans = [s for t in traces for s in t]
+    by_id = {s.span_id: s for s in spans}
+    scoring = [s for s in spans if s.name == n.SPAN_SCORING]
+    assert scoring
+    for sc in scoring:
+        parent = by_id.get(sc.parent_id or "")
+        assert parent is not None and parent.name == n.SPAN_SCHEDULE
+        scorers = [s for s in spans if s.parent_id == sc.span_id]
+        assert len(scorers) == sc.attr(n.LLMD_SCORER_COUNT) > 1
+        assert all(s.name == n.SPAN_SCORER_PREFIX + s.attr(n.LLMD_SCORER_TYPE) for s in scorers)
+        assert all(0 <= s.attr(n.LLMD_SCORER_SCORE_MAX) <= 1 for s in scorers)
+    schedule = next(s for s in spans if s.name == n.SPAN_SCHEDULE)
+    assert by_id[schedule.parent_id or ""].name == n.SPAN_GATEWAY_REQUEST
+    children = {s.name for s in spans if s.parent_id == schedule.span_id}
+    assert {n.SPAN_INDEX_LOOKUP, n.SPAN_FILTER, n.SPAN_SCORING, n.SPAN_PICK} <= children
+    engines = [s for s in spans if s.name == n.SPAN_ENGINE_REQUEST and s.status != "error"]
+    assert engines and all(s.kind == "server" for s in engines)
+    for s in engines:
+        queue, prefill = s.attr(n.VLLM_LATENCY_QUEUE), s.attr(n.VLLM_LATENCY_PREFILL)
+        assert isinstance(queue, float) and queue >= 0 and isinstance(prefill, float) and prefill > 0, s.attributes
+        assert s.attr(n.VLLM_USAGE_PROMPT_TOKENS) == s.attr(n.GEN_AI_USAGE_INPUT_TOKENS)
+        assert s.attr(n.VLLM_LATENCY_TTFT) <= s.attr(n.VLLM_LATENCY_E2E) <= s.duration_ms / 1000 + 1e-3

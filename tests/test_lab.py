@@ -91,4 +91,4 @@ def test_run_dir_has_the_report_per_phase_files_and_one_trace_per_request(lab):
         record = json.loads((run_dir / "phase-2-kv-aware" / "requests.jsonl").read_text().splitlines()[-1])
         spans = spans_of(Path(stack.traces_dir), record["trace_id"])
         assert "client.request" in spans.get("kvlab-locust", set())
-        assert "gateway.request" in spans.get("kvlab-gateway", set())
+        assert "gateway.request_orchestration" in spans.get("kvlab-gateway", set())

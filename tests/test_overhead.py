@@ -49,12 +49,12 @@ def test_the_median_is_per_policy():
 def test_real_vllm_engines_count_their_engine_cores_queue_and_prefill():
     """vLLM's time_to_first_token counts from its API server's receipt: tokenizing the prompt and
     the hand-over to the engine core (and the token's way back) are outside what the twin models."""
-    engine = Span("v", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
+    engine = Span("v", "0" * 16, None, names.SPAN_ENGINE_REQUEST, "vllm", "server", 0, 500 * MS,
                   attributes={names.VLLM_LATENCY_TTFT: 0.250, names.VLLM_LATENCY_QUEUE: 0.030,
                               names.VLLM_LATENCY_PREFILL: 0.090})
     assert outside_engine_ms([_rec("v", 275.0)], {"v": Trace("v", [engine])}) == [pytest.approx(155.0)]
     # a vLLM whose span has no engine-core split: its whole TTFT
-    older = Span("w", "0" * 16, None, names.VLLM_SPAN_REQUEST, "vllm", "server", 0, 500 * MS,
+    older = Span("w", "0" * 16, None, names.SPAN_ENGINE_REQUEST, "vllm", "server", 0, 500 * MS,
                  attributes={names.VLLM_LATENCY_TTFT: 0.120})
     assert outside_engine_ms([_rec("w", 145.0)], {"w": Trace("w", [older])}) == [pytest.approx(25.0)]
 
@@ -73,3 +73,19 @@ def test_under_chunked_decoding_the_first_chunks_engine_request_made_the_first_t
                   Span(tid, f"{2 * i + 1:016x}", chunk, names.SPAN_ENGINE_PREFILL, "kvlab-sim", "internal",
                        int((queued + 1) * MS), int(first * MS))]
     assert outside_engine_ms([_rec(tid, 110.0)], {tid: Trace(tid, spans)}) == [15.0]
+
+
+def test_the_simulators_llm_request_reads_as_real_vllms():
+    """The simulator's `llm_request` carries vLLM's engine-core split: read from it as from real
+    vLLM's, whatever its kvlab children say; a run from before (no such attributes) is read from
+    its engine.queue and engine.prefill spans."""
+    tid = "s"
+    engine = Span(tid, "e" * 16, None, names.SPAN_ENGINE_REQUEST, "kvlab-sim", "server", 0, 300 * MS,
+                  attributes={names.SPAN_ROLE: names.SPAN_ENGINE_REQUEST, names.VLLM_LATENCY_QUEUE: 0.010,
+                              names.VLLM_LATENCY_PREFILL: 0.040})
+    queue = Span(tid, "1" * 16, "e" * 16, names.SPAN_ENGINE_QUEUE, "kvlab-sim", "internal", 0, 20 * MS)
+    prefill = Span(tid, "2" * 16, "e" * 16, names.SPAN_ENGINE_PREFILL, "kvlab-sim", "internal", 20 * MS, 90 * MS)
+    assert outside_engine_ms([_rec(tid, 80.0)], {tid: Trace(tid, [engine, queue, prefill])}) == [pytest.approx(30.0)]
+    old = Span(tid, "e" * 16, None, "chat m", "kvlab-sim", "server", 0, 300 * MS,
+               attributes={names.SPAN_ROLE: "engine.request"})
+    assert outside_engine_ms([_rec(tid, 80.0)], {tid: Trace(tid, [old, queue, prefill])}) == [pytest.approx(-10.0)]

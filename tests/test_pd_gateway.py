@@ -150,6 +150,21 @@ def test_split_unified_and_one_trace(tmp_path, exporter):
     assert xfer.parent.span_id == engines["decode"].context.span_id
     assert xfer.attributes[names.KV_TRANSFER_TOKENS] == (600 - 1) // 16 * 16
     assert dcall.attributes[names.KV_TRANSFER_TOKENS] == xfer.attributes[names.KV_TRANSFER_TOKENS]
+    # llm-d's shape: the prefill pool's profile run under pick_disagg_profile, prepare_disaggregation,
+    # and the P/D proxy's timings on the legs (true TTFT: the request's start to the decode call's)
+    (prepare,) = by_name[names.SPAN_PD_PREPARE]
+    assert prepare.attributes[names.LLMD_PD_USED] is True
+    assert prepare.attributes[names.LLMD_PD_PREFILL_TARGET] == pcall.attributes[names.LLMD_PD_PREFILL_TARGET]
+    profiles = {s.attributes[names.LLMD_PROFILE_NAME]: s for s in by_name[names.SPAN_SCHEDULE]}
+    assert profiles[names.PROFILE_PREFILL].parent.span_id == dec.context.span_id
+    assert profiles[names.PROFILE_DECODE].parent.span_id == root.context.span_id
+    assert pcall.attributes[names.LLMD_PD_PREFILL_STATUS] == 200
+    d = dcall.attributes
+    assert d[names.LLMD_PD_PREFILL_MS] == pytest.approx(pcall.attributes[names.LLMD_PD_PREFILL_DURATION])
+    assert d[names.LLMD_PD_TRUE_TTFT_MS] >= d[names.LLMD_PD_PREFILL_MS] > 0
+    assert d[names.LLMD_PD_TRUE_TTFT_MS] == pytest.approx((dcall.start_time - root.start_time) / 1e6, abs=2.0)
+    assert d[names.LLMD_PD_TOTAL_MS] >= d[names.LLMD_PD_TRUE_TTFT_MS] + d[names.LLMD_PD_DECODE_MS] - 1.0
+    assert d[names.LLMD_PD_DECODE_MS] == d[names.LLMD_PD_DECODE_DURATION] > 0
 
 
 def test_prefill_failure_falls_back_to_unified(tmp_path, exporter):

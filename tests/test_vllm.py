@@ -274,12 +274,18 @@ def test_kv_aware_gateway_routes_repeats_to_the_holder_and_traces_join(stack, ga
     while time.monotonic() < deadline:
         spans = [s for s in _spans(stack["dir"] / "traces") if s["traceId"] == trace_id]
         got = {s["role"] for s in spans}
-        if {"llm_request", names.SPAN_GATEWAY_REQUEST} <= got:
+        if {names.SPAN_ENGINE_REQUEST, names.SPAN_GATEWAY_REQUEST} <= got:
             break
         time.sleep(1)
     assert names.SPAN_GATEWAY_REQUEST in got, got
-    assert "llm_request" in got, got
-    vllm_span = next(s for s in spans if s["name"] == "llm_request")
+    assert names.SPAN_ENGINE_REQUEST in got, got
+    vllm_span = next(s for s in spans if s["name"] == names.SPAN_ENGINE_REQUEST)
+    # the attributes the simulator's llm_request carries are real vLLM's: one query reads both
+    keys = {a["key"] for a in vllm_span["attributes"]}
+    assert {names.VLLM_LATENCY_TTFT, names.VLLM_LATENCY_QUEUE, names.VLLM_LATENCY_PREFILL, names.VLLM_LATENCY_DECODE,
+            names.VLLM_LATENCY_INFERENCE, names.VLLM_LATENCY_E2E, names.VLLM_USAGE_PROMPT_TOKENS,
+            names.VLLM_USAGE_COMPLETION_TOKENS, names.VLLM_REQUEST_ID} <= keys, keys
+    assert vllm_span["kind"] in (2, "SPAN_KIND_SERVER")
     upstream = {s["spanId"] for s in spans if s["role"] == names.SPAN_UPSTREAM}
     assert vllm_span["parentSpanId"] in upstream          # a child of the gateway's upstream call
     # the engine core's queue and prefill, which traces/overhead.py takes as the part the twin models,

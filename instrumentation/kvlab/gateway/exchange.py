@@ -43,6 +43,7 @@ class Exchange:
     served: Candidate | None = None      # the candidate serving it (or tried last)
     facts: dict[str, str] = field(default_factory=dict)   # P/D and the replica's own x-kvlab-* facts
     delivered: int | None = None         # cached tokens the replica reported
+    prefill_ns: tuple[int, int] | None = None   # a P/D split's prefill call: start, end (Unix ns)
 
     @property
     def stream(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -24,14 +25,16 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from kvlab.contract import answer_decoder
+from kvlab.gateway import schedule_span
 from kvlab.gateway.config import PDSettings
 from kvlab.gateway.endpoints import Backend, Registry
 from kvlab.gateway.exchange import Exchange
 from kvlab.gateway.metrics import GatewayMetrics
 from kvlab.gateway.router import Routed, Router
+from kvlab.gateway.scheduler.base import Decision
 from kvlab.gateway.split import SPLIT, PDPlan, plan_split, prefill_replicas
 from kvlab.gateway.upstream import Attempt, Call, Failure, Upstream
-from kvlab.telemetry import names
+from kvlab.telemetry import genai, names
 
 FALLBACK = "fallback"
 
@@ -58,6 +61,7 @@ class Disaggregation:
             plan = plan_split(self.settings, self.router, prefills, tokens, routed)
             d = plan.prefill_decision
             if d is not None:
+                self._prefill_profile(s, d)
                 s.set_attribute(names.PD_PREFILL_REPLICA, d.chosen.name)
                 s.set_attribute(names.PD_PREFILL_CANDIDATES, json.dumps([
                     {"replica": c.name, "prefix_tokens": c.prefix_tokens, "total": round(c.total, 4),
@@ -67,8 +71,24 @@ class Disaggregation:
                               names.PD_THRESHOLD: self.settings.threshold_tokens,
                               names.PD_DECODE_REPLICA: decode.name, names.PROMPT_TOKENS: len(tokens),
                               names.PREFIX_PREDICTED_TOKENS: decode.prefix_tokens})
+        with self.tracer.start_as_current_span(names.SPAN_PD_PREPARE) as s:
+            s.set_attribute(names.LLMD_PD_USED, plan.decision == SPLIT)
+            if plan.decision == SPLIT and d is not None:
+                s.set_attribute(names.LLMD_PD_PREFILL_TARGET, _host_port(d.chosen.replica.url))
         self.metrics.pd_decisions.labels(plan.decision, plan.reason).inc()
         return plan
+
+    def _prefill_profile(self, s: trace.Span, d: Decision) -> None:
+        """The prefill pool's scheduling as llm-d's prefill profile run: `run_scheduler_profile`
+        (profile `prefill`) with its filter, scorer and picker spans, under `pick_disagg_profile`."""
+        if d.phases is None or not s.is_recording():
+            return
+        run = self.tracer.start_span(names.SPAN_SCHEDULE, context=trace.set_span_in_context(s),
+                                     start_time=d.phases.filter_start,
+                                     attributes={names.LLMD_PROFILE_NAME: names.PROFILE_PREFILL,
+                                                 names.SCHEDULE_CHOSEN: d.chosen.name})
+        schedule_span.steps(self.tracer, trace.set_span_in_context(run), d, self.router.ranker)
+        run.end(end_time=d.phases.end)
 
     async def run(self, ex: Exchange) -> bool:
         """Decide; when splitting, prefill and put the returned kv_transfer_params in the payload.
@@ -103,7 +123,16 @@ class Disaggregation:
             body["max_completion_tokens"] = 1
         call = Call(names.SPAN_PREFILL_CALL, ex.path, msgspec.json.encode(body), primary=False,
                     error_label="prefill_", retry_timeouts=False)
-        got = await self.upstream.call(ex, plan.prefill, call, self._params)
+
+        async def params(at: Attempt) -> tuple[dict[str, Any], Backend] | Failure:
+            got = await self._params(at)
+            ex.prefill_ns = (at.start_ns, time.time_ns())
+            at.span.set_attributes({names.LLMD_PD_PREFILL_TARGET: _host_port(at.cand.replica.url),
+                                    names.LLMD_PD_PREFILL_STATUS: at.resp.status,
+                                    names.LLMD_PD_PREFILL_DURATION: (ex.prefill_ns[1] - at.start_ns) / 1e6})
+            return got
+
+        got = await self.upstream.call(ex, plan.prefill, call, params)
         if isinstance(got, Failure):
             ex.span.add_event(names.EVENT_PD_FALLBACK, {
                 names.PD_REASON: f"prefill-{got.kind}", names.ERROR_TYPE: got.error,
@@ -140,6 +169,26 @@ class Disaggregation:
         self.metrics.upstream_errors.labels(r.name, f"prefill_{kind}").inc()
         return Failure(kind, error, r)
 
+    @staticmethod
+    def decoded(ex: Exchange, at: Attempt) -> None:
+        """The decode leg is over: llm-d's P/D proxy timings on its span (pkg/sidecar/proxy/
+        connector_nixlv2.go, the sequential connector): the decode's own duration and, end to end,
+        the true TTFT (the request's start to the decode call's: routing, scheduling, prefill and
+        coordination that the engines' own metrics miss), prefill, decode, total and the gap between
+        prefill and decode. Milliseconds, as fractions (llm-d truncates to whole ones)."""
+        if ex.prefill_ns is None or not at.span.is_recording():
+            return
+        now = time.time_ns()
+        start = now - int((time.perf_counter() - ex.t_start) * 1e9)
+        (p0, p1), d0 = ex.prefill_ns, at.start_ns
+        at.span.set_attributes({names.LLMD_PD_DECODE_TARGET: _host_port(at.cand.replica.url),
+                                names.LLMD_PD_DECODE_DURATION: (now - d0) / 1e6,
+                                names.LLMD_PD_TOTAL_MS: (now - start) / 1e6,
+                                names.LLMD_PD_TRUE_TTFT_MS: (d0 - start) / 1e6,
+                                names.LLMD_PD_PREFILL_MS: (p1 - p0) / 1e6,
+                                names.LLMD_PD_DECODE_MS: (now - d0) / 1e6,
+                                names.LLMD_PD_COORDINATOR_MS: (d0 - p1) / 1e6})
+
     def observe_transfer(self, span: trace.Span, headers: Any) -> None:
         """A decode replica's report of its KV pull (kvlab's simulator sends it; vLLM does not)."""
         ms = headers.get(names.HEADER_KV_TRANSFER_MS)
@@ -159,3 +208,9 @@ def _block_count(ids: Any) -> int:
     if not isinstance(ids, list) or not ids:
         return 0
     return len(ids[0]) if isinstance(ids[0], list) else len(ids)
+
+
+def _host_port(url: str) -> str:
+    """host:port of a replica's URL, as llm-d's proxy names its targets."""
+    host, port = genai.server_of(url)
+    return f"{host}:{port}"

@@ -35,6 +35,7 @@ class Routed:
     total_s: float                    # hashing + lookup + scoring
     cpu: dict[str, int]               # replica -> prefix tokens held only in its CPU tier (docs/tiered.md)
     pull: PullDecision | None = None  # holder vs pull vs recompute, when a busy holder was passed over
+    lookup_ns: tuple[int, int] = (0, 0)   # the index lookup's start and end (Unix ns): its span's times
 
 
 class Router:
@@ -65,13 +66,15 @@ class Router:
             raise NoEndpointAvailable("no healthy replica to route to")
         sizes = {r.name: self.block_size(r) for r in replicas}
         keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
-        t1 = time.perf_counter()
+        t1, lookup = time.perf_counter(), time.time_ns()
         prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
         cpu = self.cpu_only(replicas, keys_by_size, prefix, sizes, index_of)
+        looked_up = time.time_ns()
         decision = self.ranker.schedule(RouteRequest(len(tokens), tokens), replicas, prefix, speculative, cpu)
         pull = self.pull(decision, len(tokens))
         self.learn(decision.chosen.replica, keys_by_size, sizes)
-        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull)
+        return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull,
+                      (lookup, looked_up))
 
     def cpu_only(self, replicas: list[Backend], keys_by_size: dict[int, list[int]], prefix: dict[str, int],
                  sizes: dict[str, int], index_of: dict[str, str]) -> dict[str, int]:

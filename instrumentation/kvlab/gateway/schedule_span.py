@@ -1,6 +1,14 @@
-"""What the `gateway.schedule` span says about one routing decision: every candidate's scores and
-load, the index each replica was looked up in, the prefix split by tier and by retention class,
-and the pull decision (docs/DESIGN.md, span conventions). Written only when the span records."""
+"""One routing decision as llm-d traces it, with what only kvlab records.
+
+llm-d's scheduler (llm-d/llm-d-router pkg/epp/scheduling/scheduler_profile.go) opens, under
+`run_scheduler_profile`, `filter_endpoints`, `llm_d.epp.scoring` with one `llm_d.epp.scorer.<type>`
+child per scorer (its weight and the max/avg of its scores, no per-endpoint keys) and
+`pick_endpoints` (the best few endpoints and their weighted scores); its KV-block index lookup is
+`index_lookup` (pkg/kvcache/kvblock/traced_index.go). kvlab writes the same spans, after the fact
+from the times the router and ranker took (gateway/scheduler/base.py Phases), and keeps on
+`run_scheduler_profile` what llm-d does not record: every candidate's per-scorer scores and load,
+the index each replica was looked up in, the prefix split by tier and by retention class, the
+decision in words and the pull decision (docs/tracing.md). Written only when the span records."""
 
 from __future__ import annotations
 
@@ -8,9 +16,12 @@ from typing import Any
 
 import msgspec
 from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.util.types import AttributeValue
 
 from kvlab.gateway import dp as dp_view
 from kvlab.gateway.router import Routed, Router
+from kvlab.gateway.scheduler.base import Decision, Ranker
 from kvlab.telemetry import names
 
 
@@ -19,9 +30,13 @@ def _json(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
-def annotate(s: trace.Span, routed: Routed, router: Router, policy: str, prompt_tokens: int,
-             typed: str | None) -> None:
+def annotate(tracer: trace.Tracer, s: trace.Span, routed: Routed, router: Router, policy: str,
+             prompt_tokens: int, typed: str | None, profile: str = names.PROFILE_DEFAULT) -> None:
     d = routed.decision
+    s.set_attribute(names.LLMD_PROFILE_NAME, profile)
+    parent = trace.set_span_in_context(s)
+    lookup(tracer, parent, routed, router)
+    steps(tracer, parent, d, router.ranker)
     s.set_attribute(names.POLICY, policy)
     s.set_attribute(names.SCHEDULE_CHOSEN, d.chosen.name)
     s.set_attribute(names.SCHEDULE_REASON, d.reason)
@@ -56,6 +71,60 @@ def annotate(s: trace.Span, routed: Routed, router: Router, policy: str, prompt_
         s.set_attribute(names.RETENTION_DIRECTIVES, typed)
         keys = routed.keys_by_size.get(router.block_size(d.chosen.replica), [])
         s.set_attribute(names.RETENTION_PREFIX_CLASSES, _json(router.precise.prefix_classes(d.chosen.name, keys)))
+
+
+def lookup(tracer: trace.Tracer, parent: Context, routed: Routed, router: Router) -> None:
+    """`index_lookup`: the request's blocks, how many some replica holds (the longest prefix found,
+    in blocks: block keys chain, so a replica holding block i holds those before it) and over how
+    many replicas."""
+    start, end = routed.lookup_ns
+    if not start:
+        return
+    d = routed.decision
+    sizes = [router.block_size(c.replica) for c in d.candidates]
+    found = max((c.prefix_tokens // bs for c, bs in zip(d.candidates, sizes) if bs), default=0)
+    blocks = max((len(k) for k in routed.keys_by_size.values()), default=0)
+    span = tracer.start_span(names.SPAN_INDEX_LOOKUP, context=parent, start_time=start, attributes={
+        names.LLMD_INDEX_LOOKUP_BLOCKS: blocks, names.LLMD_LOOKUP_POD_FILTER: len(d.candidates),
+        names.LLMD_LOOKUP_CACHE_HIT: found > 0, names.LLMD_LOOKUP_BLOCKS_FOUND: found})
+    span.end(end_time=end)
+
+
+def steps(tracer: trace.Tracer, parent: Context, d: Decision, ranker: Ranker) -> None:
+    """filter_endpoints, llm_d.epp.scoring (one llm_d.epp.scorer.<type> per scorer of the policy:
+    those with a weight, as an llm-d profile lists them; kvlab's shadow scores of the others are in
+    kvlab.schedule.candidates) and pick_endpoints, with llm-d's attributes."""
+    p = d.phases
+    if p is None:
+        return
+    kept = [c for c in d.candidates if c.name not in d.filtered] if d.filtered else d.candidates
+    _child(tracer, parent, names.SPAN_FILTER, p.filter_start, p.scoring_start, {
+        names.LLMD_FILTER_CANDIDATES: len(d.candidates), names.LLMD_FILTER_FILTERED: len(kept)})
+    weighted = [(scorer, weight, times) for (scorer, weight), times in zip(ranker.scorers, p.scorers) if weight]
+    scoring = tracer.start_span(names.SPAN_SCORING, context=parent, start_time=p.scoring_start, attributes={
+        names.LLMD_SCORER_COUNT: len(weighted), names.LLMD_SCORING_CANDIDATES: len(kept)})
+    inner = trace.set_span_in_context(scoring)
+    for scorer, weight, (start, end) in weighted:
+        scores = [c.scores[scorer.name] for c in kept if scorer.name in c.scores]
+        attrs: dict[str, AttributeValue] = {
+            names.LLMD_SCORER_TYPE: scorer.name, names.LLMD_SCORER_NAME: scorer.name,
+            names.LLMD_SCORER_WEIGHT: float(weight), names.LLMD_SCORER_CANDIDATES: len(kept)}
+        if scores:
+            attrs[names.LLMD_SCORER_SCORE_MAX] = max(scores)
+            attrs[names.LLMD_SCORER_SCORE_AVG] = sum(scores) / len(scores)
+            attrs[names.LLMD_SCORER_ENDPOINTS_SCORED] = len(scores)
+        _child(tracer, inner, names.SPAN_SCORER_PREFIX + scorer.name, start, end, attrs)
+    scoring.end(end_time=p.pick_start)
+    top = sorted(kept, key=lambda c: -c.total)[:names.LLMD_PICKER_TOP_N]
+    _child(tracer, parent, names.SPAN_PICK, p.pick_start, p.end, {
+        names.LLMD_PICKER_CANDIDATES: len(kept), names.LLMD_PICKER_TOP_ENDPOINTS: [c.name for c in top],
+        names.LLMD_PICKER_TOP_SCORES: [round(c.total, 4) for c in top]})
+
+
+def _child(tracer: trace.Tracer, parent: Context, name: str, start: int, end: int,
+           attrs: dict[str, AttributeValue]) -> None:
+    span = tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
+    span.end(end_time=end)
 
 
 def annotate_pull(tracer: trace.Tracer, routed: Routed) -> None:

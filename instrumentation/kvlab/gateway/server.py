@@ -322,7 +322,7 @@ class Gateway:
 
     async def _proxy(self, request: web.Request, operation: str) -> web.StreamResponse:
         ctx = propagate.extract(request.headers)
-        with self.tracer.start_as_current_span(names.genai_span_name(operation), context=ctx, kind=SpanKind.SERVER,
+        with self.tracer.start_as_current_span(names.SPAN_GATEWAY_REQUEST, context=ctx, kind=SpanKind.SERVER,
                                                attributes=genai.span_attributes(names.SPAN_GATEWAY_REQUEST,
                                                                                 f"http://{request.host}")) as span:
             span.set_attribute(names.GEN_AI_OPERATION_NAME, operation)
@@ -333,7 +333,6 @@ class Gateway:
                 model = ex.payload.get("model")
                 if isinstance(model, str):
                     span.set_attribute(names.GEN_AI_REQUEST_MODEL, model)
-                    span.update_name(names.genai_span_name(operation, model))
                 if isinstance(ex.payload.get("max_tokens"), int):
                     span.set_attribute(names.GEN_AI_REQUEST_MAX_TOKENS, ex.payload["max_tokens"])
                 span.set_attribute(names.GEN_AI_REQUEST_STREAM, ex.stream)
@@ -366,7 +365,10 @@ class Gateway:
             if prog.pending is not None:
                 self._resumed(ex, prog, prog.pending, at)
                 prog.pending = None
-            return await self.relay.answer(request, ex, at, prog)
+            got = await self.relay.answer(request, ex, at, prog)
+            if name == names.SPAN_DECODE_CALL:
+                self.pd.decoded(ex, at)
+            return got
 
         while True:
             call = Call(name, ex.path, msgspec.json.encode(body), stream=ex.stream, headers=ex.retention)
@@ -494,6 +496,7 @@ class Gateway:
             self.metrics.routing.labels(self.policy).observe(routed.total_s)
             self.metrics.decisions.labels(self.policy, routed.decision.reason).inc()
             if s.is_recording():
-                schedule_span.annotate(s, routed, self.router, self.policy, len(tokens), typed)
+                schedule_span.annotate(self.tracer, s, routed, self.router, self.policy, len(tokens), typed,
+                                       names.PROFILE_DECODE if self.cfg.pd.enabled else names.PROFILE_DEFAULT)
             schedule_span.annotate_pull(self.tracer, routed)
         return routed

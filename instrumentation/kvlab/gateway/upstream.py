@@ -13,6 +13,7 @@ disconnect). Anything after the headers belongs to the caller's handler, which s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -86,6 +87,7 @@ class Attempt:
     span: trace.Span                       # the call's client span
     lease: Lease
     resp: aiohttp.ClientResponse
+    start_ns: int = 0                      # when the call was made (Unix ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class Upstream:
                 ex.serve(cand)
                 ex.span.set_attribute(names.SCHEDULE_ATTEMPT, index)
             span_name, attrs = genai.call_of(ex.span, call.name, r.url)
+            start_ns = time.time_ns()
             with self.tracer.start_as_current_span(span_name, kind=SpanKind.CLIENT, attributes=attrs) as up:
                 up.set_attributes({names.REPLICA: r.name, names.ENDPOINT: r.url, names.SCHEDULE_ATTEMPT: index,
                                    names.PREFIX_PREDICTED_TOKENS: cand.prefix_tokens})
@@ -160,7 +163,7 @@ class Upstream:
                     self.registry.success(r)
                     up.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, resp.status)
                     try:
-                        return await handle(Attempt(index, cand, up, lease, resp))
+                        return await handle(Attempt(index, cand, up, lease, resp, start_ns))
                     except asyncio.CancelledError:
                         resp.close()   # the client went away: dropping the connection aborts the engine's work
                         raise

@@ -1,7 +1,7 @@
 """The GenAI semantic-convention attributes every kvlab inference span starts with.
 
 One place for what the client (Locust), gateway and engine spans share (docs/tracing.md): the
-kvlab role the readers find them by, `gen_ai.provider.name` (required) and the
+role the readers find them by, `gen_ai.provider.name` (required) and the
 `server.address`/`server.port` of the server called (client spans) or reached (server spans).
 """
 
@@ -30,11 +30,15 @@ def span_attributes(role: str, url: str) -> dict[str, str | int]:
 
 def call_of(request_span: trace.Span, role: str, url: str) -> tuple[str, dict[str, str | int]]:
     """Name and start attributes of a call to a replica made for `request_span`: the same GenAI
-    operation and model (read back from a recording span; a non-recording one has neither)."""
+    operation and model (read back from a recording span; a non-recording one has neither). A call
+    llm-d names (the P/D proxy's legs) has its name; any other is `{operation} {model}`."""
     attrs = span_attributes(role, url)
     recorded = getattr(request_span, "attributes", None) or {}
     for key in (names.GEN_AI_OPERATION_NAME, names.GEN_AI_REQUEST_MODEL):
         if isinstance(recorded.get(key), str):
             attrs[key] = recorded[key]
-    name = getattr(request_span, "name", None)
-    return (name if isinstance(name, str) else role), attrs
+    if role in names.UPSTREAM_NAMED_CALLS:
+        return role, attrs
+    operation = attrs.get(names.GEN_AI_OPERATION_NAME)
+    return (names.genai_span_name(operation, attrs.get(names.GEN_AI_REQUEST_MODEL))
+            if isinstance(operation, str) else role), attrs

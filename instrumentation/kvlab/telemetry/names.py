@@ -5,13 +5,39 @@ each one with its meaning; add new names here, never as string literals at the c
 """
 
 # ---- span names -------------------------------------------------------------------------
-SPAN_GATEWAY_REQUEST = "gateway.request"        # SERVER, one per request at the gateway
-SPAN_SCHEDULE = "gateway.schedule"              # filters -> scorers -> picker
-SPAN_PD_DECISION = "gateway.pd_decision"
+# Where kvlab's span is the same step as one of llm-d's or vLLM's, it has their name and place in
+# the tree (llm-d/llm-d-router and vllm-project/vllm; docs/tracing.md has the table with each
+# source file, tests/data/upstream_span_names.json the names and the commits they were read at).
+# llm-d-router pkg/epp/handlers/server.go: the ext_proc stream's SERVER span (`kvlab epp`)
+SPAN_EPP_REQUEST = "gateway.request"
+# llm-d-router pkg/epp/requestcontrol/director.go: SERVER, one per request (kvlab gateway's root)
+SPAN_GATEWAY_REQUEST = "gateway.request_orchestration"
+# llm-d-router pkg/epp/scheduling/scheduler.go and scheduler_profile.go: one profile's run, with
+# filter -> scoring (one child per scorer, named by its type) -> picker; kvlab.schedule.* on it
+SPAN_SCHEDULE = "run_scheduler_profile"
+SPAN_FILTER = "filter_endpoints"
+SPAN_SCORING = "llm_d.epp.scoring"
+SPAN_SCORER_PREFIX = "llm_d.epp.scorer."                # + the scorer's type (its registered name)
+SPAN_PICK = "pick_endpoints"
+# llm-d-router pkg/kvcache/kvblock/traced_index.go: the KV-block index lookup
+SPAN_INDEX_LOOKUP = "index_lookup"
+# llm-d-router pkg/epp/framework/plugins/scheduling/profilehandler/disagg/: P/D or not, and the
+# prefill endpoint handed to the proxy; kvlab.pd.* on the first
+SPAN_PD_DECISION = "pick_disagg_profile"
+SPAN_PD_PREPARE = "prepare_disaggregation"
+# llm-d-router pkg/sidecar/proxy/connector_*.go: the P/D proxy's two legs (CLIENT in kvlab, whose
+# gateway is its own P/D proxy)
+SPAN_PREFILL_CALL = "llm_d.pd_proxy.prefill"
+SPAN_DECODE_CALL = "llm_d.pd_proxy.decode"
+UPSTREAM_NAMED_CALLS = frozenset({SPAN_PREFILL_CALL, SPAN_DECODE_CALL})   # calls named by llm-d, not GenAI
+LLMD_SPANS = frozenset({SPAN_EPP_REQUEST, SPAN_GATEWAY_REQUEST, SPAN_SCHEDULE, SPAN_FILTER, SPAN_SCORING, SPAN_PICK,
+                        SPAN_INDEX_LOOKUP, SPAN_PD_DECISION, SPAN_PD_PREPARE, SPAN_PREFILL_CALL, SPAN_DECODE_CALL})
+# vllm-project/vllm vllm/v1/engine/output_processor.py: SERVER, one per request on a replica (the
+# simulator's, as real vLLM's); engine.queue/prefill/decode/kv_transfer/moe_dispatch are kvlab's
+SPAN_ENGINE_REQUEST = "llm_request"
+VLLM_SPANS = frozenset({SPAN_ENGINE_REQUEST})
+# kvlab's own spans
 SPAN_UPSTREAM = "gateway.upstream"              # CLIENT, propagates context to the replica
-SPAN_PREFILL_CALL = "gateway.prefill_call"      # CLIENT, P/D remote prefill
-SPAN_DECODE_CALL = "gateway.decode_call"        # CLIENT, P/D decode
-SPAN_ENGINE_REQUEST = "engine.request"          # SERVER, one per request on a replica
 SPAN_ENGINE_QUEUE = "engine.queue"
 SPAN_ENGINE_PREFILL = "engine.prefill"
 SPAN_ENGINE_DECODE = "engine.decode"
@@ -23,13 +49,18 @@ SPAN_SCALE_ACTION = "stack.scale"
 SPAN_STACK_RESTART = "stack.restart"                      # the supervisor restarted a dead child
 SPAN_AUTOSCALE = "gateway.autoscale"            # the desired-replica recommendation changed
 SPAN_TOKENIZER_PROBE = "gateway.tokenizer_probe"  # tokenizer parity with a new replica (gateway/parity.py)
-SPAN_EPP_REQUEST = "epp.request"                # SERVER, one per ext_proc stream at `kvlab epp` (docs/gateway-api.md)
 
-# The GenAI spans (client.request, gateway.request, gateway.upstream / prefill_call / decode_call,
-# engine.request) are named `{gen_ai.operation.name} {gen_ai.request.model}` as the conventions
-# say; the SPAN_* name above is their role, kept in SPAN_ROLE for readers (kvlab.traces matches
-# either). Other spans keep their kvlab names (the conventions define no span for them).
+# kvlab's GenAI client spans (client.request, gateway.upstream) are named
+# `{gen_ai.operation.name} {gen_ai.request.model}` as the conventions say, their SPAN_* role kept in
+# SPAN_ROLE for readers (kvlab.traces matches either). Spans with an llm-d or vLLM name keep it.
 SPAN_ROLE = "kvlab.span.role"
+
+# Traces written before issue 46: the role (attribute) or name a span had then -> its name now.
+# kvlab.traces.span reads old traces through these, so every reader sees the new names.
+RENAMED_ROLES = {"gateway.request": SPAN_GATEWAY_REQUEST, "engine.request": SPAN_ENGINE_REQUEST,
+                 "gateway.prefill_call": SPAN_PREFILL_CALL, "gateway.decode_call": SPAN_DECODE_CALL}
+RENAMED_SPANS = {"gateway.schedule": SPAN_SCHEDULE, "gateway.pd_decision": SPAN_PD_DECISION,
+                 "epp.request": SPAN_EPP_REQUEST}
 
 
 def genai_span_name(operation: str, model: object = None) -> str:
@@ -57,6 +88,46 @@ SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
 ERROR_TYPE = "error.type"
+
+# ---- llm-d's attributes (llm-d/llm-d-router; docs/tracing.md) -----------------------------
+# pkg/epp/scheduling/scheduler.go, scheduler_profile.go
+LLMD_PROFILE_NAME = "llm_d.epp.scheduling.profile.name"
+PROFILE_DEFAULT = "default"                                       # kvlab's one profile without P/D
+PROFILE_DECODE = "decode"                                         # with P/D: the decode pool
+PROFILE_PREFILL = "prefill"                                       # a P/D split's prefill pool
+LLMD_FILTER_CANDIDATES = "llm_d.epp.filter.candidate_endpoints"
+LLMD_FILTER_FILTERED = "llm_d.epp.filter.filtered_endpoints"      # endpoints left after the filters
+LLMD_SCORER_COUNT = "llm_d.epp.scorer.count"
+LLMD_SCORING_CANDIDATES = "llm_d.epp.scoring.candidate_endpoints"
+LLMD_SCORER_TYPE = "llm_d.epp.scorer.type"
+LLMD_SCORER_NAME = "llm_d.epp.scorer.name"
+LLMD_SCORER_WEIGHT = "llm_d.epp.scorer.weight"
+LLMD_SCORER_CANDIDATES = "llm_d.epp.scorer.candidate_endpoints"
+LLMD_SCORER_SCORE_MAX = "llm_d.epp.scorer.score.max"
+LLMD_SCORER_SCORE_AVG = "llm_d.epp.scorer.score.avg"
+LLMD_SCORER_ENDPOINTS_SCORED = "llm_d.epp.scorer.endpoints_scored"
+LLMD_PICKER_CANDIDATES = "llm_d.epp.picker.candidate_endpoints"
+LLMD_PICKER_TOP_ENDPOINTS = "llm_d.epp.picker.top_endpoints"      # string[] best first
+LLMD_PICKER_TOP_SCORES = "llm_d.epp.picker.top_scores"            # double[] their weighted scores
+LLMD_PICKER_TOP_N = 3                                             # maxTracedEndpointScores upstream
+# pkg/kvcache/kvblock/traced_index.go
+LLMD_INDEX_LOOKUP_BLOCKS = "llm_d.kv_cache.index.lookup.block_count"
+LLMD_LOOKUP_POD_FILTER = "llm_d.kv_cache.lookup.pod_filter_count"
+LLMD_LOOKUP_CACHE_HIT = "llm_d.kv_cache.lookup.cache_hit"
+LLMD_LOOKUP_BLOCKS_FOUND = "llm_d.kv_cache.lookup.blocks_found"
+# pkg/epp/framework/plugins/scheduling/profilehandler/disagg/disagg_profile_handler.go
+LLMD_PD_USED = "llm_d.epp.pd.disaggregation_used"
+# pkg/sidecar/proxy/connector_nixlv2.go (the sequential prefill-then-decode connector)
+LLMD_PD_PREFILL_TARGET = "llm_d.pd_proxy.prefill_target"
+LLMD_PD_PREFILL_STATUS = "llm_d.pd_proxy.prefill.status_code"
+LLMD_PD_PREFILL_DURATION = "llm_d.pd_proxy.prefill.duration_ms"   # on the prefill span
+LLMD_PD_DECODE_TARGET = "llm_d.pd_proxy.decode.target"
+LLMD_PD_DECODE_DURATION = "llm_d.pd_proxy.decode.duration_ms"     # on the decode span
+LLMD_PD_TOTAL_MS = "llm_d.pd_proxy.total_duration_ms"             # the decode span: request start -> end
+LLMD_PD_TRUE_TTFT_MS = "llm_d.pd_proxy.true_ttft_ms"              # request start -> decode start
+LLMD_PD_PREFILL_MS = "llm_d.pd_proxy.prefill_duration_ms"
+LLMD_PD_DECODE_MS = "llm_d.pd_proxy.decode_duration_ms"
+LLMD_PD_COORDINATOR_MS = "llm_d.pd_proxy.coordinator_overhead_ms"  # prefill end -> decode start
 
 # ---- kvlab attributes -------------------------------------------------------------------
 REPLICA = "kvlab.replica"                         # replica name, e.g. "sim-0"
@@ -203,12 +274,20 @@ VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"   # counter; exposed wit
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"         # counter; exposed with _total
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
-# vLLM's own span of a request (--otlp-traces-endpoint, --collect-detailed-traces) and its TTFT,
-# counted from the API server's receipt (docs/vllm.md, "Tracing")
-VLLM_SPAN_REQUEST = "llm_request"
-VLLM_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"     # seconds, from the API server's receipt
-VLLM_LATENCY_QUEUE = "gen_ai.latency.time_in_queue"           # seconds, engine core: queued -> scheduled
-VLLM_LATENCY_PREFILL = "gen_ai.latency.time_in_model_prefill"  # seconds, engine core: scheduled -> first token
+# vLLM's `llm_request` span's attributes (vllm/tracing/utils.py SpanAttributes, set in
+# vllm/v1/engine/output_processor.py do_tracing), real vLLM's and the simulator's; seconds
+VLLM_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"     # API server's receipt -> first token
+VLLM_LATENCY_QUEUE = "gen_ai.latency.time_in_queue"           # engine core: queued -> scheduled
+VLLM_LATENCY_PREFILL = "gen_ai.latency.time_in_model_prefill"  # engine core: scheduled -> first token
+VLLM_LATENCY_DECODE = "gen_ai.latency.time_in_model_decode"    # first token -> last token
+VLLM_LATENCY_INFERENCE = "gen_ai.latency.time_in_model_inference"  # scheduled -> last token
+VLLM_LATENCY_E2E = "gen_ai.latency.e2e"                        # arrival -> finished
+VLLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+VLLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+VLLM_REQUEST_ID = "gen_ai.request.id"
+VLLM_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+VLLM_REQUEST_TOP_P = "gen_ai.request.top_p"
+VLLM_REQUEST_N = "gen_ai.request.n"
 VLLM_ITL = "vllm:inter_token_latency_seconds"
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 VLLM_QUEUE_TIME = "vllm:request_queue_time_seconds"

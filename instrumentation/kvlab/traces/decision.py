@@ -75,8 +75,9 @@ def _candidate(raw: dict[str, Any], chosen: str | None) -> Candidate:
 
 
 def decision_of(trace: Trace) -> Decision | None:
-    """The decision of the last schedule attempt of a gateway request; None if the trace has none."""
-    schedules = trace.find(n.SPAN_SCHEDULE)
+    """The decision of the last schedule attempt of a gateway request; None if the trace has none.
+    A P/D split's prefill-pool run (profile `prefill`, under pick_disagg_profile) is not one."""
+    schedules = [s for s in trace.find(n.SPAN_SCHEDULE) if s.attr(n.LLMD_PROFILE_NAME) != n.PROFILE_PREFILL]
     if not schedules:
         return None
     span: Span = max(schedules, key=lambda s: (_int(s.attr(n.SCHEDULE_ATTEMPT)) or 0, s.start_ns))

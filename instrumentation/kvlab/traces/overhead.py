@@ -1,7 +1,7 @@
 """The live stack's time outside its engines before a first token: per request, the client's TTFT
-minus the engine's own queue and prefill, the part the twin models: the simulator's engine.queue
-span's start to its engine.prefill span's end, or real vLLM's `llm_request` span's engine-core
-`time_in_queue` plus `time_in_model_prefill`. vLLM's own `time_to_first_token` counts from its API
+minus the engine's own queue and prefill, the part the twin models: its
+`llm_request` span's engine-core `gen_ai.latency.time_in_queue` plus `time_in_model_prefill`, the
+simulator's as real vLLM's. vLLM's own `time_to_first_token` counts from its API
 server's receipt, so it also holds the request's tokenization and hand-over to the engine core and
 the first token's way back (on a loaded 2-core machine 130 ms for a 1,867-token prompt served from
 cache, more for a cold one): outside the model, so counted here. Under chunked decoding the first
@@ -30,19 +30,22 @@ from kvlab.traces.span import Span, Trace
 def engine_ttft_ms(trace: Trace) -> float | None:
     """The TTFT the engine that made this trace's first token measured itself; None without
     exactly one engine request for it (unsampled, or a P/D request's two). Under chunked decoding
-    the first chunk's engine request made it."""
+    the first chunk's engine request made it. Real vLLM's and the simulator's `llm_request` are read
+    alike; a trace from before the simulator emitted vLLM's attributes is read from its
+    engine.queue and engine.prefill spans."""
     spans = _first_chunk(trace)
-    queue = [s for s in spans if s.role == names.SPAN_ENGINE_QUEUE]
-    prefill = [s for s in spans if s.role == names.SPAN_ENGINE_PREFILL]
-    if len(queue) == 1 and len(prefill) == 1:
-        return (prefill[0].end_ns - queue[0].start_ns) / 1e6
-    vllm = [s for s in spans if s.name == names.VLLM_SPAN_REQUEST]
-    if len(vllm) != 1:
+    engine = [s for s in spans if s.role == names.SPAN_ENGINE_REQUEST]
+    if len(engine) > 1:
         return None
-    queue, prefill = vllm[0].attr(names.VLLM_LATENCY_QUEUE), vllm[0].attr(names.VLLM_LATENCY_PREFILL)
+    attrs = engine[0].attributes if engine else {}
+    queue, prefill = attrs.get(names.VLLM_LATENCY_QUEUE), attrs.get(names.VLLM_LATENCY_PREFILL)
     if isinstance(queue, (int, float)) and isinstance(prefill, (int, float)):
         return (float(queue) + float(prefill)) * 1000.0
-    ttft = vllm[0].attr(names.VLLM_LATENCY_TTFT)    # a vLLM without the engine-core split
+    queues = [s for s in spans if s.role == names.SPAN_ENGINE_QUEUE]
+    prefills = [s for s in spans if s.role == names.SPAN_ENGINE_PREFILL]
+    if len(queues) == 1 and len(prefills) == 1:
+        return (prefills[0].end_ns - queues[0].start_ns) / 1e6
+    ttft = attrs.get(names.VLLM_LATENCY_TTFT)    # a vLLM without the engine-core split
     return float(ttft) * 1000.0 if isinstance(ttft, (int, float)) else None
 
 

@@ -40,10 +40,23 @@ class Span:
 
     @property
     def role(self) -> str:
-        """kvlab's name for what the span is (`gateway.request`, ...): GenAI spans carry it as an
-        attribute, their name being `{operation} {model}`; other spans are named by it."""
+        """What the span is, by its llm-d, vLLM or kvlab name (`gateway.request_orchestration`,
+        `llm_request`, ...): kvlab's GenAI client spans carry it as an attribute, their name being
+        `{operation} {model}`; other spans are named by it. A trace written before issue 46 reads
+        with today's names (names.RENAMED_ROLES, RENAMED_SPANS)."""
         role = self.attributes.get(names.SPAN_ROLE)
-        return role if isinstance(role, str) else self.name
+        if isinstance(role, str):
+            return names.RENAMED_ROLES.get(role, role)
+        return names.RENAMED_SPANS.get(self.name, self.name)
+
+    @property
+    def origin(self) -> str:
+        """Whose name the span carries: `llm-d` (llm-d-router's), `vLLM`, or `kvlab` (kvlab's own,
+        the GenAI-named client calls included); docs/tracing.md has the table."""
+        role = self.role
+        if role in names.LLMD_SPANS or role.startswith(names.SPAN_SCORER_PREFIX):
+            return "llm-d"
+        return "vLLM" if role in names.VLLM_SPANS else "kvlab"
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attributes.get(key, default)

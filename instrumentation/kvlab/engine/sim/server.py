@@ -196,8 +196,7 @@ class Api:
         if params is not None:
             self.r.transfer.validate(params)
         ctx = propagate.extract(request.headers)
-        span = tracer.start_span(names.genai_span_name("chat" if chat else "text_completion", body.model or self.model),
-                                 context=ctx, kind=SpanKind.SERVER, start_time=t0,
+        span = tracer.start_span(names.SPAN_ENGINE_REQUEST, context=ctx, kind=SpanKind.SERVER, start_time=t0,
                                  attributes=genai.span_attributes(names.SPAN_ENGINE_REQUEST, f"http://{request.host}"))
         status = 200
         try:
@@ -345,6 +344,7 @@ class Api:
             })
             if body.stream and req.t_first_token:
                 span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, (req.t_first_token - req.t_arrival) / 1e9)
+            span.set_attributes(self._vllm_attrs(req, body))
             if status != 200:
                 span.set_attribute(names.ERROR_TYPE, "client_disconnected")
                 span.set_status(Status(StatusCode.ERROR, "client disconnected"))
@@ -377,6 +377,32 @@ class Api:
             span.end(end_time=max(end, time.time_ns()))
         except Exception:  # telemetry never breaks a request
             log.exception("span export failed")
+
+    @staticmethod
+    def _vllm_attrs(req: Request, body: _Generation) -> dict[str, Any]:
+        """vLLM's `llm_request` attributes as its output processor sets them (do_tracing in
+        vllm/v1/engine/output_processor.py), seconds: the engine core's queue (queued -> scheduled),
+        prefill (-> first token) and decode (-> last token), TTFT and e2e from the request's arrival;
+        the optional request parameters only when set, as vLLM does."""
+        out: dict[str, Any] = {names.VLLM_REQUEST_ID: req.id, names.VLLM_USAGE_PROMPT_TOKENS: req.num_prompt,
+                               names.VLLM_USAGE_COMPLETION_TOKENS: req.num_output,
+                               names.VLLM_REQUEST_N: body.n}
+        if req.max_tokens:
+            out[names.GEN_AI_REQUEST_MAX_TOKENS] = req.max_tokens
+        if body.temperature:
+            out[names.VLLM_REQUEST_TEMPERATURE] = body.temperature
+        if body.top_p:
+            out[names.VLLM_REQUEST_TOP_P] = body.top_p
+        if req.t_finished:
+            out[names.VLLM_LATENCY_E2E] = (req.t_finished - req.t_arrival) / 1e9
+        if req.t_scheduled and req.t_first_token:
+            last = req.t_last_token or req.t_first_token
+            out.update({names.VLLM_LATENCY_TTFT: (req.t_first_token - req.t_arrival) / 1e9,
+                        names.VLLM_LATENCY_QUEUE: (req.t_scheduled - req.t_arrival) / 1e9,
+                        names.VLLM_LATENCY_PREFILL: (req.t_first_token - req.t_scheduled) / 1e9,
+                        names.VLLM_LATENCY_DECODE: (last - req.t_first_token) / 1e9,
+                        names.VLLM_LATENCY_INFERENCE: (last - req.t_scheduled) / 1e9})
+        return out
 
     @staticmethod
     def _child(name: str, parent: Context | None, start: int, end: int, attrs: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -40,6 +41,19 @@ class RouteRequest:
 
 
 @dataclass(slots=True)
+class Phases:
+    """When each step of one scheduling ran (Unix ns): the spans llm-d's scheduler opens around
+    them (filter_endpoints, llm_d.epp.scoring with one child per scorer, pick_endpoints) are
+    written from these after the fact, so an untraced request pays a few clock reads only."""
+
+    filter_start: int
+    scoring_start: int
+    scorers: list[tuple[int, int]]   # (start, end) of each of the ranker's scorers, in order
+    pick_start: int
+    end: int
+
+
+@dataclass(slots=True)
 class Decision:
     chosen: Candidate
     ranked: list[Candidate]          # the order to try on a refused connection (chosen first)
@@ -49,6 +63,7 @@ class Decision:
     shadow: bool                     # scores were computed but did not decide
     best: Candidate                  # the max-score candidate (== chosen unless shadow)
     filtered: list[str] = field(default_factory=list)
+    phases: Phases | None = None
 
     @property
     def predicted_tokens(self) -> int:
@@ -152,12 +167,18 @@ class Ranker:
         offloaded = cpu or {}
         cands = [Candidate(r, prefix.get(r.name, 0), spec.get(r.name, 0), offloaded.get(r.name, 0)) for r in replicas]
         available = max((c.prefix_tokens for c in cands), default=0)
+        clock = time.time_ns
+        t_filter = clock()
         kept, filtered = self._filter(cands)
+        t_scoring = t = clock()
+        spans = []
         for scorer, w in self.scorers:
             for c, s in zip(kept, scorer.score(req, kept)):
                 c.scores[scorer.name] = s
                 c.total += w * s
+            spans.append((t, t := clock()))
         ranked = self.picker.pick(kept)
+        phases = Phases(t_filter, t_scoring, spans, t, clock())
         # refused connections fall back over the filtered-out replicas too, last
         ranked += [c for c in cands if c.name in filtered]
         chosen = ranked[0]
@@ -174,4 +195,4 @@ class Ranker:
             reason = "prefix"               # chosen holds the best prefix
         else:
             reason = "load-over-prefix"     # a longer prefix existed but its load outweighed it
-        return Decision(chosen, ranked, cands, available, reason, self.picker.shadow, best, filtered)
+        return Decision(chosen, ranked, cands, available, reason, self.picker.shadow, best, filtered, phases)
