@@ -26,10 +26,10 @@ reachable through the CPU tier.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, is_not, not_, or_
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -110,22 +110,18 @@ class BlockTable:
             keys = keys_by_size.get(bs)
             if not keys:
                 continue
+            held: Iterator[int] = map(masks.get, keys, repeat(0))
+            if spec:
+                held = map(or_, held, map(spec.get, keys, repeat(0)))
+            if cpu:
+                held = map(or_, held, map(cpu.get, keys, repeat(0)))
+            # the replicas still matching after each key, in C; as sets they only shrink, so a
+            # replica's depth is how many of them hold its bit (less the group itself, first)
+            runs = Counter(takewhile(bool, accumulate(held, and_, initial=group)))
             alive = group
-            depth = len(keys)
-            for i, k in enumerate(keys):
-                m = (masks.get(k, 0) | spec.get(k, 0) | cpu.get(k, 0)) & alive
-                if m != alive:
-                    dropped = alive & ~m
-                    while dropped:
-                        low = dropped & -dropped
-                        out[by_bit[low]] = i * bs
-                        dropped ^= low
-                    alive = m
-                    if not alive:
-                        break
             while alive:
                 low = alive & -alive
-                out[by_bit[low]] = depth * bs
+                out[by_bit[low]] = (sum(n for m, n in runs.items() if m & low) - 1) * bs
                 alive ^= low
         return out
 
