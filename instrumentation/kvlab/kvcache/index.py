@@ -26,11 +26,16 @@ reachable through the CPU tier.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, is_not, not_, or_
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvlab.kvcache.hashing import ROOT, block_keys
+
+_present = partial(is_not, None)   # a popped key that was there
 
 
 class BlockTable:
@@ -60,8 +65,9 @@ class BlockTable:
     def add(self, replica: str, keys: Iterable[int], speculative: bool = False, offloaded: bool = False) -> None:
         b = self.bit(replica)
         masks = self._layer(speculative, offloaded)
-        for k in keys:
-            masks[k] = masks.get(k, 0) | b
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        # one pass in C (a prompt is hundreds of blocks): each key's mask or-ed with the bit
+        masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(b))))
 
     def discard(self, replica: str, keys: Iterable[int], speculative: bool = False,
                 offloaded: bool = False) -> None:
@@ -70,15 +76,11 @@ class BlockTable:
         if b is None:
             return
         masks = self._layer(speculative, offloaded)
-        nb = ~b
-        for k in keys:
-            m = masks.get(k)
-            if m is not None:
-                m &= nb
-                if m:
-                    masks[k] = m
-                else:
-                    del masks[k]
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        # in C: every key's mask without the bit (an absent key reads 0), then the empty ones dropped
+        left = list(map(and_, map(masks.get, keys, repeat(0)), repeat(~b)))
+        masks.update(zip(keys, left))
+        deque(map(masks.pop, compress(keys, map(not_, left)), repeat(None)), maxlen=0)
 
     def forget(self, replica: str, keys: Iterable[int]) -> None:
         """Drop all of a replica's keys and release its bit."""
@@ -108,22 +110,18 @@ class BlockTable:
             keys = keys_by_size.get(bs)
             if not keys:
                 continue
+            held: Iterator[int] = map(masks.get, keys, repeat(0))
+            if spec:
+                held = map(or_, held, map(spec.get, keys, repeat(0)))
+            if cpu:
+                held = map(or_, held, map(cpu.get, keys, repeat(0)))
+            # the replicas still matching after each key, in C; as sets they only shrink, so a
+            # replica's depth is how many of them hold its bit (less the group itself, first)
+            runs = Counter(takewhile(bool, accumulate(held, and_, initial=group)))
             alive = group
-            depth = len(keys)
-            for i, k in enumerate(keys):
-                m = (masks.get(k, 0) | spec.get(k, 0) | cpu.get(k, 0)) & alive
-                if m != alive:
-                    dropped = alive & ~m
-                    while dropped:
-                        low = dropped & -dropped
-                        out[by_bit[low]] = i * bs
-                        dropped ^= low
-                    alive = m
-                    if not alive:
-                        break
             while alive:
                 low = alive & -alive
-                out[by_bit[low]] = depth * bs
+                out[by_bit[low]] = (sum(n for m, n in runs.items() if m & low) - 1) * bs
                 alive ^= low
         return out
 
@@ -172,10 +170,9 @@ class PreciseIndex:
         confirmed = self.table.masks
         pending = self._spec.setdefault(replica, OrderedDict())
         until = now + self.speculative_ttl_s
-        added = [k for k in keys if not confirmed.get(k, 0) & b]
-        for k in added:
-            pending[k] = until
-            pending.move_to_end(k)
+        added = list(compress(keys, map(not_, map(and_, map(confirmed.get, keys, repeat(0)), repeat(b)))))
+        pending.update(zip(added, repeat(until)))   # new ones at the end, in order; then the others moved there
+        deque(map(pending.move_to_end, added), maxlen=0)
         self.table.add(replica, added, speculative=True)
         return len(added)
 
@@ -208,7 +205,8 @@ class PreciseIndex:
             gone = list(pending)
             pending.clear()
         else:
-            gone = [k for k in keys if pending.pop(k, None) is not None]
+            keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+            gone = list(compress(keys, map(_present, map(pending.pop, keys, repeat(None)))))
         self.table.discard(replica, gone, speculative=True)
         return len(gone)
 
@@ -244,8 +242,7 @@ class PreciseIndex:
                     parent = found
                 keys = block_keys(ev.token_ids, bs, parent)
                 n = min(len(keys), len(ev.block_hashes))
-                for eh, k in zip(ev.block_hashes[:n], keys[:n]):
-                    emap[eh] = k
+                emap.update(zip(ev.block_hashes[:n], keys[:n]))
                 table.add(replica, keys[:n], offloaded=cpu)
                 if not cpu:
                     if ev.retention_classes is not None:
@@ -256,7 +253,7 @@ class PreciseIndex:
                 # a removed block was stored first, which already ended its speculation
                 cpu = ev.medium == "CPU"
                 emap = cmap if cpu else gmap
-                gone = [k for k in (emap.pop(eh, None) for eh in ev.block_hashes) if k is not None]
+                gone = [k for k in map(emap.pop, ev.block_hashes, repeat(None)) if k is not None]
                 table.discard(replica, gone, offloaded=cpu)
                 typed = None if cpu else self.classes.get(replica)
                 if typed:
@@ -347,11 +344,8 @@ class ApproximateIndex:
             if lru:  # the replica's block size changed: old keys can never match again
                 self.clear(replica)
             self._block_size[replica] = block_size
-        for k in keys:
-            if k in lru:
-                lru.move_to_end(k)
-            else:
-                lru[k] = None
+        lru.update(zip(keys, repeat(None)))   # new keys at the end, in order; then every key moved there
+        deque(map(lru.move_to_end, keys), maxlen=0)
         self.table.add(replica, keys)
         cap = self.capacity_of.get(replica, self.capacity)
         if len(lru) > cap:

@@ -28,12 +28,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.measure import Record
 from kvlab.load.workloads import Workload, WorkloadRequest
 
-_NEVER = float("inf")
+_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,34 +70,56 @@ def prompts(requests: Iterable[WorkloadRequest], block_size: int,
 def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None) -> Oracle:
     """Belady's block hits on one pooled cache of `capacity_blocks` (None: unbounded)."""
     prompt_tokens = sum(p.tokens for p in reqs)
-    seq = [k for p in reqs for k in p.keys]
-    if capacity_blocks is None:
-        seen: set[int] = set()
-        hits = 0
-        for k in seq:
-            hits += k in seen
-            seen.add(k)
-        return Oracle(prompt_tokens, hits * block_size, block_size, None)
-    nxt: list[float] = [_NEVER] * len(seq)
-    last: dict[int, int] = {}
-    for i in range(len(seq) - 1, -1, -1):
-        nxt[i] = last.get(seq[i], _NEVER)
-        last[seq[i]] = i
-    cache: dict[int, float] = {}          # key -> its next use
-    heap: list[tuple[float, int]] = []    # (-next use, key), stale entries skipped lazily
-    hits = 0
-    for i, k in enumerate(seq):
-        if k in cache:
-            hits += 1
-        elif len(cache) >= capacity_blocks:
-            while heap and cache.get(heap[0][1]) != -heap[0][0]:
-                heapq.heappop(heap)
-            if capacity_blocks == 0 or (heap and -heap[0][0] <= nxt[i]):
-                continue                  # needed later than anything cached (or no room): not kept
-            del cache[heapq.heappop(heap)[1]]
-        cache[k] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], k))
-    return Oracle(prompt_tokens, hits * block_size, block_size, capacity_blocks)
+    n = sum(len(p.keys) for p in reqs)
+    seq = np.fromiter(itertools.chain.from_iterable(p.keys for p in reqs), dtype=np.int64, count=n)
+    if capacity_blocks is None:   # every block seen before is a hit
+        return Oracle(prompt_tokens, (n - len(np.unique(seq))) * block_size, block_size, None)
+    return Oracle(prompt_tokens, _belady(_next_uses(seq), capacity_blocks) * block_size, block_size, capacity_blocks)
+
+
+def _next_uses(seq: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Each position's next use of its key (`len(seq)`: never), from the positions sorted by key."""
+    n = len(seq)
+    order = np.argsort(seq, kind="stable")   # stable: one key's positions in order
+    ordered = seq[order]
+    same = ordered[1:] == ordered[:-1]
+    nxt = np.full(n, n, dtype=np.int64)
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+def _belady(nxt: np.ndarray[Any, np.dtype[np.int64]], capacity: int) -> int:
+    """Hits of Belady with bypass, the cache held as the next uses of its blocks (a max-heap of
+    positions): a block never used again takes no room (it could only ever be evicted first), so
+    only blocks with a next use are kept, and a position is a hit when its block was kept for it."""
+    n = len(nxt)
+    if capacity <= 0:
+        return 0
+    kept = bytearray(n)     # position -> its block is cached for this use
+    heap: list[int] = []    # -(next use) per cached block; entries of past uses sink below the live ones
+    size = hits = 0
+    push, replace = heapq.heappush, heapq.heapreplace
+    for lo in range(0, n, _CHUNK):   # the next uses as Python ints a chunk at a time (memory)
+        for i, j in enumerate(nxt[lo:lo + _CHUNK].tolist(), lo):
+            if kept[i]:
+                hits += 1
+                if j < n:
+                    kept[j] = 1
+                    push(heap, -j)
+                else:
+                    size -= 1
+            elif j < n:
+                if size < capacity:
+                    kept[j] = 1
+                    push(heap, -j)
+                    size += 1
+                elif -heap[0] > j:   # the block needed farthest ahead makes room (else this one is not kept)
+                    kept[-replace(heap, -j)] = 0
+                    kept[j] = 1
+        if len(heap) > 2 * size + _CHUNK:   # drop the entries of past uses
+            heap = [x for x in heap if -x >= lo + _CHUNK]
+            heapq.heapify(heap)
+    return hits
 
 
 def oracle(requests: Iterable[WorkloadRequest], block_size: int, replicas: int, blocks_per_replica: int | None,

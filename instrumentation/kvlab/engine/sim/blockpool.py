@@ -109,7 +109,7 @@ class BlockPool:
             _, block = popitem(last=False)
             if block.key is not None:
                 del self._cached[block.key]
-                removed.append(wire_hash(block.key))
+                removed.append(block.key & _U64)   # wire_hash, inline: a prompt's worth per call
                 block.key = None
             block.ref_cnt = 1
             out.append(block)
@@ -128,7 +128,7 @@ class BlockPool:
                 continue
             block.key = key
             cached[key] = block
-            stored.append(wire_hash(key))
+            stored.append(key & _U64)   # wire_hash
         if classes is not None:
             self.classify(blocks, classes)
         if stored and self._events_on:
