@@ -1,6 +1,7 @@
 """The field's routers at scale: one Mooncake trace at 16 and 64 replicas through round-robin, kvlab's
-prefix and kv-aware and the vllm-router cache_aware model in the twin, and Dynamo's round-robin and
-KV router in Dynamo's own replay (twin/dynamo.py) with matched engines.
+prefix and kv-aware, the vllm-router cache_aware model and llm-d's two shipped EndpointPickerConfig
+files (kvlab/assets/epp/) in the twin, and Dynamo's round-robin and KV router in Dynamo's own replay
+(twin/dynamo.py) with matched engines.
 
     KVLAB_TRACES_DIR=/path/to/traces .venv/bin/python benchmarks/peers_at_scale.py \\
         [--replicas 16,64] [--requests 10000] [--profile h100-llama3-8b] [--block-size 64] \\
@@ -8,8 +9,7 @@ KV router in Dynamo's own replay (twin/dynamo.py) with matched engines.
 
 Prints one markdown row per run as it finishes: which simulator made it, the hit rate and its share
 of the trace's oracle (Belady on the pooled KV of all replicas, from the trace's hash ids), TTFT
-p50/p90/p99 and the share of requests within the SLO (TTFT and TPOT from the send). llm-d's
-approximate and precise schedulers join the table when their configurations run in the twin.
+p50/p90/p99 and the share of requests within the SLO (TTFT and TPOT from the send).
 `--matched-prefill` runs Dynamo's mocker at the profile's prefill speed (`prefill_matched_speedup`,
 docs/twin.md) instead of its own default timing.
 """
@@ -28,7 +28,7 @@ from kvlab.twin.feed import Feed
 from kvlab.twin.runner import run
 from kvlab.twin.settings import TwinSettings, resolve
 
-TWIN = "round-robin,prefix,kv-aware,vllm-router-cache-aware"
+TWIN = "round-robin,prefix,kv-aware,vllm-router-cache-aware,llm-d-approximate,llm-d-precise"
 PEERS = "dynamo-round-robin,dynamo-kv-router"
 
 
@@ -76,8 +76,7 @@ def main() -> None:
             d = dynamo.run(plan, name, speedup_ratio=speed)
             which = f", speedup_ratio {speed:.3f}" if a.matched_prefill else ""
             print(row(label + which, name, replicas, d.records, oracle, slo), flush=True)
-    print(f"\noracle hit rate: Belady on the pooled KV, from the trace's hash ids ({a.trace}); "
-          "llm-d approximate / precise: not in the twin yet")
+    print(f"\noracle hit rate: Belady on the pooled KV, from the trace's hash ids ({a.trace})")
 
 
 if __name__ == "__main__":
