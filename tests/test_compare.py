@@ -155,7 +155,7 @@ def test_vllm_router_cache_aware_uses_its_tree_on_the_simulator_and_the_twin_del
     vLLM's render endpoints) and routes by its tree over those ids; the twin's `vllm-router-cache-aware`
     preset, sending as many requests as the live phase did, delivers its hit rate within six requests'
     worth (as tests/test_twin_fidelity.py holds kvlab's own presets; docs/twin.md has the 30-s table).
-    Without the render endpoint it counts `render_unavailable` and routes by load alone."""
+    Without the render endpoints it asks the replicas' /tokenize instead (`result="tokenize"`)."""
     result, run = compared
     doc = json.loads((run / "compare.json").read_text())
     live = {r["router"]: r for r in doc["workloads"]["shared-prefix"]["routers"]}["vllm-router:cache_aware"]

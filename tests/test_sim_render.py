@@ -1,7 +1,7 @@
 """The simulator's render endpoints, vLLM's `/v1/chat/completions/render` and `/v1/completions/render`.
 
-vllm-router 0.1.17's `cache_aware` asks a worker to render each request and keeps its tree over the
-returned `token_ids` (without the endpoint it routes by load alone), so the simulator answers as
+vllm-router 0.1.17's `cache_aware` asks every worker to render each request and keeps its tree over
+the returned `token_ids` (its primary path; without the endpoint it asks /tokenize), so the simulator answers as
 vLLM's scale-out render does (vllm/entrypoints/scale_out/render/api_router.py): one GenerateRequest
 for a chat, a list of them for a completion, with the ids the simulator would prefill.
 """
