@@ -2,8 +2,9 @@
 
 vLLM (`--enable-scale-out`, vllm/entrypoints/scale_out/render/) answers a chat or completion request
 with the token-in `GenerateRequest` it would run (prompt token ids and sampling parameters) instead
-of running it; vllm-router's `cache_aware` asks a worker for it before routing and keeps its tree
-over those token ids. The simulator answers with the ids it would prefill for that request.
+of running it; vllm-router 0.1.17's `cache_aware` asks every worker for it before routing (its
+primary path; `/tokenize` where render is missing) and keeps its tree over those token ids. The
+simulator answers with the ids it would prefill for that request.
 """
 
 from __future__ import annotations
