@@ -22,6 +22,9 @@ from kvlab.load.workloads import create
 from kvlab.process import still_running
 from kvlab.run.routers import commands, render, resolve
 from kvlab.stack.base import read_info
+from kvlab.twin.runner import plans
+from kvlab.twin.runner import run as twin_run
+from kvlab.twin.settings import TwinSettings
 
 TOPOLOGY = """
 name: compare-test
@@ -144,6 +147,26 @@ def test_compare_keeps_the_peers_own_kv_counters_and_says_when_its_kv_path_never
     credited = [k for k in kv.peer_counters if "_placement_lookups_" in k and not any(m in k for m in NO_CREDIT)]
     said = "vllm-router:kv_aware: none of its" in " ".join(result.stdout.split())
     assert (kv_path_warning(kv) is None) == bool(credited) and said == (not credited)
+
+
+@pytest.mark.processes
+def test_vllm_router_cache_aware_uses_its_tree_on_the_simulator_and_the_twin_delivers_its_hit_rate(compared):
+    """vllm-router 0.1.17's `cache_aware` renders every request on every worker (the simulator serves
+    vLLM's render endpoints) and routes by its tree over those ids; the twin's `vllm-router-cache-aware`
+    preset, sending as many requests as the live phase did, delivers its hit rate within six requests'
+    worth (as tests/test_twin_fidelity.py holds kvlab's own presets; docs/twin.md has the 30-s table).
+    Without the render endpoints it asks the replicas' /tokenize instead (`result="tokenize"`)."""
+    result, run = compared
+    doc = json.loads((run / "compare.json").read_text())
+    live = {r["router"]: r for r in doc["workloads"]["shared-prefix"]["routers"]}["vllm-router:cache_aware"]
+    inputs = {k: v for k, v in live["peer_counters"].items() if k.startswith("vllm_router_kv_routing_inputs_total")}
+    assert inputs == {'vllm_router_kv_routing_inputs_total{result="render",transport="http"}': pytest.approx(
+        2 * live["requests"], abs=8)}, inputs              # both replicas render each request (a few in flight)
+    settings = TwinSettings(topology=str(run.parent / "t.yaml"), users=doc["users"],
+                            requests=live["requests"], seed=doc["seed"])
+    [plan] = plans(settings, ["vllm-router-cache-aware"])
+    twin = twin_run(plan, oracle=False).summary.hit_rate.delivered
+    assert abs(twin - live["hit_rate"]) <= 6 / live["requests"], (twin, live["hit_rate"], live["requests"])
 
 
 PAGE = """# HELP vllm_router_kv_placement_lookups_total KV-aware placement lookups

@@ -31,6 +31,7 @@ from kvlab.engine.sim.protocol import (
     chat_ids,
     tokenize_ids,
 )
+from kvlab.engine.sim.render import generate_request
 from kvlab.engine.sim.retention import RetentionDirective
 from kvlab.engine.sim.retention import parse as parse_retention
 from kvlab.engine.sim.scheduler import FINISHED, Request
@@ -77,6 +78,8 @@ class Api:
         app.on_response_prepare.append(self._stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions/render", self.render_completion)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -166,6 +169,25 @@ class Api:
         ids = chat_ids(body, self.tokenizer)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._generate(request, t0, body, ids, max_tokens, chat=True)
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """vLLM's completion render: a list of one GenerateRequest (the simulator serves batches of one)."""
+        body = decode(await read_body(request, MAX_BODY_BYTES), CompletionRequest)
+        self._check_model(body.model)
+        ids = self._prompt_ids(body.prompt, body.add_special_tokens)
+        max_tokens = self._validate(body, ids, body.max_tokens)
+        return _json([generate_request(f"cmpl-{self.name}-{next(_ids)}", ids, body, max_tokens)])
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """vLLM's chat render: the GenerateRequest with the templated prompt's ids."""
+        body = decode(await read_body(request, MAX_BODY_BYTES), ChatRequest)
+        self._check_model(body.model)
+        if not body.messages:
+            raise RequestError("`messages` must not be empty", param="messages")
+        ids = chat_ids(body, self.tokenizer)
+        max_tokens = self._validate(body, ids, body.max_completion_tokens if body.max_completion_tokens is not None
+                                    else body.max_tokens)
+        return _json(generate_request(f"chatcmpl-{self.name}-{next(_ids)}", ids, body, max_tokens))
 
     def _validate(self, body: _Generation, ids: list[int], max_tokens: int | None) -> int:
         if body.n != 1:
