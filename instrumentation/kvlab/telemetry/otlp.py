@@ -30,6 +30,7 @@ _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _CACHE_MAX = 8192          # recurring key-values kept; cleared when full (ids and counts never enter)
 _HAS_IS_REMOTE = 0x100     # SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _IS_REMOTE = 0x200
+_ARRAY_ITEMS = (str, bool, int, float)
 _double = struct.Struct("<d").pack
 _fixed64 = struct.Struct("<Q").pack
 _fixed32 = struct.Struct("<I").pack
@@ -69,7 +70,28 @@ def _scalar(value: Any) -> bytes | None:
         return b"\x18" + _varint(value) if _INT64[0] <= value <= _INT64[1] else None
     if kind is float:
         return b"\x21" + _double(value)
+    if kind is list or kind is tuple:
+        return _array(value)
     return None
+
+
+def _array(values: Sequence[Any]) -> bytes | None:
+    """An AnyValue array of plain scalars of one type (the picker's top endpoints and scores), None
+    for an empty, mixed or nested one: the SDK's cleaning decides those."""
+    if not values:
+        return None
+    kind = type(values[0])
+    if kind not in _ARRAY_ITEMS:
+        return None
+    parts = []
+    for value in values:
+        if type(value) is not kind:
+            return None
+        item = _scalar(value)
+        if item is None:
+            return None
+        parts.append(_field(b"\x0a", item))
+    return _field(b"\x2a", b"".join(parts))
 
 
 class OtlpEncoder:
