@@ -111,6 +111,9 @@ class OtlpEncoder:
         self._scopes: dict[tuple[str, str | None], bytes] = {}
         # encoded key-values by field tag (span attributes and event attributes differ)
         self._kv: dict[bytes, dict[tuple[str, Any], bytes]] = {b"\x4a": {}, b"\x1a": {}}
+        # and, for values that do not recur (counts, scores, times), each key's encoded prefix; span names
+        self._keys: dict[str, bytes] = {}
+        self._names: dict[str, bytes] = {}
 
     def encode(self, batch: Sequence[_Packed]) -> bytes:
         by_scope: dict[tuple[str, str | None], list[bytes]] = {}
@@ -148,7 +151,12 @@ class OtlpEncoder:
                 any_value = _scalar(value)
                 if any_value is None:
                     return None
-                kv = _field(tag, _text(b"\x0a", key) + _field(b"\x12", any_value))
+                prefix = self._keys.get(key)
+                if prefix is None:
+                    if len(self._keys) >= _CACHE_MAX:
+                        self._keys.clear()
+                    prefix = self._keys[key] = _text(b"\x0a", key) + b"\x12"
+                kv = _field(tag, prefix + _varint(len(any_value)) + any_value)
                 if recurring:
                     if len(cache) >= _CACHE_MAX:
                         cache.clear()
@@ -167,7 +175,12 @@ class OtlpEncoder:
         body = [b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big")]
         if parent_id:
             body += (b"\x22\x08", parent_id.to_bytes(8, "big"))
-        body += (_text(b"\x2a", name), b"\x30", _varint(kind + 1),
+        encoded_name = self._names.get(name)
+        if encoded_name is None:
+            if len(self._names) >= _CACHE_MAX:
+                self._names.clear()
+            encoded_name = self._names[name] = _text(b"\x2a", name)
+        body += (encoded_name, b"\x30", _varint(kind + 1),
                  b"\x39" + _fixed64(start) if start else b"", b"\x41" + _fixed64(end) if end else b"",
                  encoded_attrs)
         for event_name, timestamp, event_attrs in events:
