@@ -8,8 +8,9 @@ encoded key-value of every recurring string or bool attribute.
 
 It writes what the SDK's `encode_spans` writes for the same spans (same fields, same order, same
 grouping by scope; tests/test_otlp_encoder.py compares the bytes). Any span outside the
-common shape (links, a non-scalar or unusual attribute, an `OTEL_*_LIMIT` that would cut it) is
-encoded by the SDK itself, so its limits and cleaning rules apply exactly.
+common shape (links, an attribute that is neither a plain scalar nor a list of one scalar type, an
+`OTEL_*_LIMIT` that would cut it) is encoded by the SDK itself, so its limits and cleaning rules
+apply exactly.
 """
 
 from __future__ import annotations
