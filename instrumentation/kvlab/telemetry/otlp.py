@@ -37,7 +37,7 @@ _fixed64 = struct.Struct("<Q").pack
 _fixed32 = struct.Struct("<I").pack
 
 
-def _varint(n: int) -> bytes:
+def _varint_of(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
     if n < 0x80:
@@ -48,6 +48,13 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL = tuple(_varint_of(n) for n in range(1 << 14))   # lengths, kinds, counts: one or two bytes, looked up
+
+
+def _varint(n: int) -> bytes:
+    return _SMALL[n] if 0 <= n < 16384 else _varint_of(n)
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
