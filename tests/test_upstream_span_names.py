@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -23,6 +24,8 @@ from kvlab.gateway.endpoints import Backend
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.scheduler.base import RouteRequest
 from kvlab.telemetry import names
+from kvlab.telemetry.packed import Packed, pack, unpack
+from kvlab.telemetry.recorder import RecorderProvider
 from kvlab.traces.decision import decision_of
 from kvlab.traces.span import Span, Trace
 
@@ -90,6 +93,45 @@ def test_schedule_spans_have_llm_ds_shape_one_scorer_span_per_scorer() -> None:
         assert a[names.LLMD_SCORER_SCORE_AVG] == pytest.approx(sum(scores) / len(scores))
         assert a[names.LLMD_SCORER_ENDPOINTS_SCORED] == 3
     assert (spans[names.SPAN_PICK].attributes or {})[names.LLMD_PICKER_TOP_ENDPOINTS][0] == d.best.name
+
+
+class _Relay:
+    def __init__(self) -> None:
+        self.spans: list[Packed] = []
+
+    def add(self, packed: Packed) -> None:
+        self.spans.append(packed)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _tree(spans: list[Packed]) -> list[tuple[object, ...]]:
+    """Each span by name: its parent's name, kind, times and attributes (ids differ run to run)."""
+    by_id = {p[2]: p[0] for p in spans}
+    return sorted((p[0], by_id.get(p[4]), p[6], p[7], p[8], sorted(p[9].items()), p[1] == spans[0][1])
+                  for p in spans)
+
+
+def test_the_recorder_writes_the_schedule_spans_the_sdk_writes() -> None:
+    """schedule_span packs its after-the-fact children straight for kvlab's relay
+    (RecordedSpan.record_child); the tree and attributes must be the SDK's spans'."""
+    ranker = presets.build(load_policy("kv-aware"), random.Random(0))
+    replicas = [Backend(Endpoint(name=f"sim-{i}", url=f"http://sim-{i}"), waiting=i) for i in range(3)]
+    d = ranker.schedule(RouteRequest(256), replicas, {"sim-1": 128})
+    exporter = InMemorySpanExporter()
+    sdk = TracerProvider()
+    sdk.add_span_processor(SimpleSpanProcessor(exporter))
+    relay = _Relay()
+    recorder = RecorderProvider(Resource({}), relay)   # type: ignore[arg-type]  # a sink, not a SpanRelay
+    for provider in (sdk, recorder):
+        tracer = provider.get_tracer("t")
+        s = tracer.start_span(names.SPAN_SCHEDULE, start_time=1)
+        schedule_span.steps(tracer, trace.set_span_in_context(s), d, ranker)
+        s.end(end_time=2)
+    recorded = [pack(unpack(p, Resource({}), SpanLimits())) for p in relay.spans]   # as the child reads them
+    assert _tree(recorded) == _tree([pack(sp) for sp in exporter.get_finished_spans()])
+    assert len(recorded) == 3 + 1 + len([w for _, w in ranker.scorers if w])
 
 
 def test_kvlab_traces_explain_reads_a_trace_written_with_the_old_names() -> None:

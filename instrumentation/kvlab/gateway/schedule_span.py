@@ -23,6 +23,7 @@ from kvlab.gateway import dp as dp_view
 from kvlab.gateway.router import Routed, Router
 from kvlab.gateway.scheduler.base import Decision, Ranker
 from kvlab.telemetry import names
+from kvlab.telemetry.recorder import RecordedSpan
 
 
 def _json(value: Any) -> str:
@@ -84,10 +85,9 @@ def lookup(tracer: trace.Tracer, parent: Context, routed: Routed, router: Router
     sizes = [router.block_size(c.replica) for c in d.candidates]
     found = max((c.prefix_tokens // bs for c, bs in zip(d.candidates, sizes) if bs), default=0)
     blocks = max((len(k) for k in routed.keys_by_size.values()), default=0)
-    span = tracer.start_span(names.SPAN_INDEX_LOOKUP, context=parent, start_time=start, attributes={
+    _Children(tracer, parent).add(names.SPAN_INDEX_LOOKUP, start, end, {
         names.LLMD_INDEX_LOOKUP_BLOCKS: blocks, names.LLMD_LOOKUP_POD_FILTER: len(d.candidates),
         names.LLMD_LOOKUP_CACHE_HIT: found > 0, names.LLMD_LOOKUP_BLOCKS_FOUND: found})
-    span.end(end_time=end)
 
 
 def steps(tracer: trace.Tracer, parent: Context, d: Decision, ranker: Ranker) -> None:
@@ -98,12 +98,12 @@ def steps(tracer: trace.Tracer, parent: Context, d: Decision, ranker: Ranker) ->
     if p is None:
         return
     kept = [c for c in d.candidates if c.name not in d.filtered] if d.filtered else d.candidates
-    _child(tracer, parent, names.SPAN_FILTER, p.filter_start, p.scoring_start, {
+    children = _Children(tracer, parent)
+    children.add(names.SPAN_FILTER, p.filter_start, p.scoring_start, {
         names.LLMD_FILTER_CANDIDATES: len(d.candidates), names.LLMD_FILTER_FILTERED: len(kept)})
     weighted = [(scorer, weight, times) for (scorer, weight), times in zip(ranker.scorers, p.scorers) if weight]
-    scoring = tracer.start_span(names.SPAN_SCORING, context=parent, start_time=p.scoring_start, attributes={
+    scoring = children.add(names.SPAN_SCORING, p.scoring_start, p.pick_start, {
         names.LLMD_SCORER_COUNT: len(weighted), names.LLMD_SCORING_CANDIDATES: len(kept)})
-    inner = trace.set_span_in_context(scoring)
     for scorer, weight, (start, end) in weighted:
         scores = [c.scores[scorer.name] for c in kept if scorer.name in c.scores]
         attrs: dict[str, AttributeValue] = {
@@ -113,18 +113,34 @@ def steps(tracer: trace.Tracer, parent: Context, d: Decision, ranker: Ranker) ->
             attrs[names.LLMD_SCORER_SCORE_MAX] = max(scores)
             attrs[names.LLMD_SCORER_SCORE_AVG] = sum(scores) / len(scores)
             attrs[names.LLMD_SCORER_ENDPOINTS_SCORED] = len(scores)
-        _child(tracer, inner, names.SPAN_SCORER_PREFIX + scorer.name, start, end, attrs)
-    scoring.end(end_time=p.pick_start)
+        children.add(names.SPAN_SCORER_PREFIX + scorer.name, start, end, attrs, under=scoring)
     top = sorted(kept, key=lambda c: -c.total)[:names.LLMD_PICKER_TOP_N]
-    _child(tracer, parent, names.SPAN_PICK, p.pick_start, p.end, {
+    children.add(names.SPAN_PICK, p.pick_start, p.end, {
         names.LLMD_PICKER_CANDIDATES: len(kept), names.LLMD_PICKER_TOP_ENDPOINTS: [c.name for c in top],
         names.LLMD_PICKER_TOP_SCORES: [round(c.total, 4) for c in top]})
 
 
-def _child(tracer: trace.Tracer, parent: Context, name: str, start: int, end: int,
-           attrs: dict[str, AttributeValue]) -> None:
-    span = tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
-    span.end(end_time=end)
+class _Children:
+    """Ended child spans of the span in `parent`, written after the fact. Under kvlab's recorder
+    they are packed straight for the relay (`RecordedSpan.record_child`: ~10 spans a sampled
+    request, no Span object each); under the SDK's provider they are its spans."""
+
+    def __init__(self, tracer: trace.Tracer, parent: Context) -> None:
+        self._tracer = tracer
+        self._parent = parent
+        span = trace.get_current_span(parent)
+        self._recorded = span if isinstance(span, RecordedSpan) else None
+
+    def add(self, name: str, start: int, end: int, attrs: dict[str, AttributeValue],
+            under: int | trace.Span | None = None) -> int | trace.Span:
+        """The child (of `under`, a child added before, when given): a span id or a span, to be
+        passed back as `under`."""
+        if self._recorded is not None:
+            return self._recorded.record_child(name, start, end, attrs, under if isinstance(under, int) else 0)
+        context = trace.set_span_in_context(under) if isinstance(under, trace.Span) else self._parent
+        span = self._tracer.start_span(name, context=context, start_time=start, attributes=attrs)
+        span.end(end_time=end)
+        return span
 
 
 def annotate_pull(tracer: trace.Tracer, routed: Routed) -> None:

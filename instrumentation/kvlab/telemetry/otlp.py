@@ -8,8 +8,9 @@ encoded key-value of every recurring string or bool attribute.
 
 It writes what the SDK's `encode_spans` writes for the same spans (same fields, same order, same
 grouping by scope; tests/test_otlp_encoder.py compares the bytes). Any span outside the
-common shape (links, a non-scalar or unusual attribute, an `OTEL_*_LIMIT` that would cut it) is
-encoded by the SDK itself, so its limits and cleaning rules apply exactly.
+common shape (links, an attribute that is neither a plain scalar nor a list of one scalar type, an
+`OTEL_*_LIMIT` that would cut it) is encoded by the SDK itself, so its limits and cleaning rules
+apply exactly.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _CACHE_MAX = 8192          # recurring key-values kept; cleared when full (ids and counts never enter)
 _HAS_IS_REMOTE = 0x100     # SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _IS_REMOTE = 0x200
+_ARRAY_ITEMS = (str, bool, int, float)
 _double = struct.Struct("<d").pack
 _fixed64 = struct.Struct("<Q").pack
 _fixed32 = struct.Struct("<I").pack
 
 
-def _varint(n: int) -> bytes:
+def _varint_of(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
     if n < 0x80:
@@ -46,6 +48,13 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL = tuple(_varint_of(n) for n in range(1 << 14))   # lengths, kinds, counts: one or two bytes, looked up
+
+
+def _varint(n: int) -> bytes:
+    return _SMALL[n] if 0 <= n < 16384 else _varint_of(n)
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -69,7 +78,28 @@ def _scalar(value: Any) -> bytes | None:
         return b"\x18" + _varint(value) if _INT64[0] <= value <= _INT64[1] else None
     if kind is float:
         return b"\x21" + _double(value)
+    if kind is list or kind is tuple:
+        return _array(value)
     return None
+
+
+def _array(values: Sequence[Any]) -> bytes | None:
+    """An AnyValue array of plain scalars of one type (the picker's top endpoints and scores), None
+    for an empty, mixed or nested one: the SDK's cleaning decides those."""
+    if not values:
+        return None
+    kind = type(values[0])
+    if kind not in _ARRAY_ITEMS:
+        return None
+    parts = []
+    for value in values:
+        if type(value) is not kind:
+            return None
+        item = _scalar(value)
+        if item is None:
+            return None
+        parts.append(_field(b"\x0a", item))
+    return _field(b"\x2a", b"".join(parts))
 
 
 class OtlpEncoder:
@@ -89,6 +119,9 @@ class OtlpEncoder:
         self._scopes: dict[tuple[str, str | None], bytes] = {}
         # encoded key-values by field tag (span attributes and event attributes differ)
         self._kv: dict[bytes, dict[tuple[str, Any], bytes]] = {b"\x4a": {}, b"\x1a": {}}
+        # and, for values that do not recur (counts, scores, times), each key's encoded prefix; span names
+        self._keys: dict[str, bytes] = {}
+        self._names: dict[str, bytes] = {}
 
     def encode(self, batch: Sequence[_Packed]) -> bytes:
         by_scope: dict[tuple[str, str | None], list[bytes]] = {}
@@ -126,7 +159,12 @@ class OtlpEncoder:
                 any_value = _scalar(value)
                 if any_value is None:
                     return None
-                kv = _field(tag, _text(b"\x0a", key) + _field(b"\x12", any_value))
+                prefix = self._keys.get(key)
+                if prefix is None:
+                    if len(self._keys) >= _CACHE_MAX:
+                        self._keys.clear()
+                    prefix = self._keys[key] = _text(b"\x0a", key) + b"\x12"
+                kv = _field(tag, prefix + _varint(len(any_value)) + any_value)
                 if recurring:
                     if len(cache) >= _CACHE_MAX:
                         cache.clear()
@@ -145,7 +183,12 @@ class OtlpEncoder:
         body = [b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big")]
         if parent_id:
             body += (b"\x22\x08", parent_id.to_bytes(8, "big"))
-        body += (_text(b"\x2a", name), b"\x30", _varint(kind + 1),
+        encoded_name = self._names.get(name)
+        if encoded_name is None:
+            if len(self._names) >= _CACHE_MAX:
+                self._names.clear()
+            encoded_name = self._names[name] = _text(b"\x2a", name)
+        body += (encoded_name, b"\x30", _varint(kind + 1),
                  b"\x39" + _fixed64(start) if start else b"", b"\x41" + _fixed64(end) if end else b"",
                  encoded_attrs)
         for event_name, timestamp, event_attrs in events:

@@ -45,6 +45,8 @@ _SCALAR = (str, bool, int, float)
 _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _RANDOM = TraceFlags(TraceFlags.RANDOM_TRACE_ID)
+_INTERNAL = SpanKind.INTERNAL._value_
+_UNSET = StatusCode.UNSET._value_
 
 
 def _cleaned(attributes: types.Attributes) -> dict[str, Any]:
@@ -53,9 +55,13 @@ def _cleaned(attributes: types.Attributes) -> dict[str, Any]:
     if not attributes:
         return {}
     out = dict(attributes)
-    for value in out.values():
+    for key, value in out.items():
         if not isinstance(value, _SCALAR):
-            return dict(BoundedAttributes(None, attributes))
+            if type(value) is list and value and all(type(v) is type(value[0]) for v in value) \
+                    and type(value[0]) in _SCALAR:
+                out[key] = tuple(value)   # what the SDK makes of a list of one scalar type
+            else:
+                return dict(BoundedAttributes(None, attributes))
     return out
 
 
@@ -79,6 +85,7 @@ class RecordedSpan(trace_api.Span):
         self._status = Status(StatusCode.UNSET)
         self._record_exception = record_exception
         self._set_status_on_exception = set_status_on_exception
+        self._child_fields: tuple[bytes, int] | None = None   # record_child's trace id and flags
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -160,6 +167,29 @@ class RecordedSpan(trace_api.Span):
                    status.status_code._value_, status.description,
                    self._tracer.scope_name, self._tracer.scope_version))
 
+    def record_child(self, name: str, start: int, end: int, attributes: dict[str, Any],
+                     parent_id: int = 0) -> int:
+        """An INTERNAL child of this span (or of its descendant `parent_id`) written after the fact,
+        already ended, packed straight for the relay: no Span object, context or sampling decision
+        (a sampled span's children are sampled, under every sampler OTEL_TRACES_SAMPLER names).
+        It keeps `attributes` (the caller's own dict). The gateway writes llm-d's scheduling steps
+        so (gateway/schedule_span.py). Returns the child's span id."""
+        span_id: int = self._tracer.ids.generate_span_id()
+        relay = self._tracer.relay
+        if relay is not None:
+            if self._child_fields is None:
+                ctx = self._context
+                self._child_fields = (ctx.trace_id.to_bytes(16, "big"), int(ctx.trace_flags))
+            trace_id, flags = self._child_fields
+            for value in attributes.values():
+                if not isinstance(value, _SCALAR):
+                    attributes = _cleaned(attributes)
+                    break
+            relay.add((name, trace_id, span_id, flags, parent_id or self._context.span_id, False, _INTERNAL,
+                       start, end, attributes, [], [], _UNSET, None,
+                       self._tracer.scope_name, self._tracer.scope_version))
+        return span_id
+
     def __exit__(self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
                  exc_tb: TracebackType | None) -> None:
         if exc_val is not None and self._end is None:
@@ -179,7 +209,7 @@ class RecorderTracer(trace_api.Tracer):
         self.scope_version = version
         self._sampler = provider.sampler
         self._follow_parent = type(provider.sampler) is ParentBased   # as built from OTEL_TRACES_SAMPLER
-        self._ids = provider.ids
+        self.ids = provider.ids
 
     def start_span(self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: types.Attributes = None, links: Sequence[Link] | None = (),
@@ -198,7 +228,7 @@ class RecorderTracer(trace_api.Tracer):
         else:
             if parent is None or not parent.is_valid:
                 parent = None
-                trace_id = self._ids.generate_trace_id()
+                trace_id = self.ids.generate_trace_id()
                 random_id = True
             else:
                 trace_id = parent.trace_id
@@ -211,7 +241,7 @@ class RecorderTracer(trace_api.Tracer):
             flags = _SAMPLED_RANDOM if random_id else _SAMPLED
         else:
             flags = _RANDOM if random_id else TraceFlags(TraceFlags.DEFAULT)
-        span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
+        span_context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False,
                                    trace_flags=flags, trace_state=trace_state)
         if not sampled:
             return trace_api.NonRecordingSpan(span_context)
