@@ -52,7 +52,7 @@ from kvlab.twin.settings import TwinSettings
 nb.setup()
 POLICIES = ["llm-d-approximate", "llm-d-precise"]
 settings = TwinSettings(workload="shared-prefix", replicas=REPLICAS, profile="h100-qwen3-32b-tp2", block_size=64,
-                        num_blocks=NUM_BLOCKS, seed=SEED,
+                        num_blocks=NUM_BLOCKS, max_model_len=4096, seed=SEED,   # a request must fit the small cache
                         workload_params={"groups": GROUPS, "prompts_per_group": 4, "system_tokens": 1500,
                                          "question_tokens": 200, "output_tokens": 16},
                         stages=[Stage(rate=WARMUP[0], duration=WARMUP[1], warmup=True)]

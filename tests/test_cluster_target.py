@@ -163,8 +163,9 @@ def test_unknown_hit_rates_are_n_a_not_numbers(cluster_lab):
         hit = summary["phases"][phase]["hit_rate"]
         assert hit["available"] is None and hit["predicted"] is None
         assert hit["delivered"] is not None    # the engine's cached_tokens still count
-    table = next(line for line in out.splitlines() if "hit rate available" in line)
-    assert table.count("n/a") == 2
+    lines = out.splitlines()   # the table leaves out a row no phase has a value for (load/table.py)
+    assert not any("hit rate available" in line or "hit rate predicted" in line for line in lines)
+    assert any("hit rate delivered" in line for line in lines)
     html = (run_dir / "report.html").read_text()
     assert "baseline-service vs gateway-kv-aware" in html
     row = html[html.index("hit rate predicted"):].split("</tr>")[0]

@@ -26,7 +26,7 @@ LAYERS = [
     ["kvlab.run"],                                     # phases, routers, the run document, presets
     ["kvlab.traces", "kvlab.report"],                  # reading a run
     ["kvlab.lab", "kvlab.scenarios", "kvlab.calibration", "kvlab.twin"],   # drivers
-    ["kvlab.compare"],                                 # the compare driver (takes the lab's spec)
+    ["kvlab.compare", "kvlab.plan"],                   # drivers over drivers: compare (the lab's spec), plan (the twin)
     ["kvlab.cli", "kvlab.notebook", "kvlab.load.cli", "kvlab.load.locustfile"],   # entry points (locust runs the locustfile)
 ]
 
