@@ -4,7 +4,7 @@
         [--cases 16x10000,32x10000,64x10000,128x10000] [--policy kv-aware] [--profile h100-llama3-8b] \\
         [--trace mooncake-conversation] [--oracle] [--before /path/to/older/checkout/instrumentation]
 
-Each case runs in a fresh process, so its peak RSS is its own. Prints, per case, the wall time of
+Each case runs in a fresh process, so its peak RSS is its own. Prints, per case, the wall and CPU time of
 the run (settings parsed and the trace read before the clock starts; with `--oracle`, the oracle's
 ceiling after the run counted too, as `kvlab twin` computes it), requests simulated per second,
 the virtual time simulated and the speed-up over real time, the engine steps and the peak RSS.
@@ -38,15 +38,15 @@ def one(case: str, a: argparse.Namespace) -> dict[str, float]:
     plan = resolve(TwinSettings(trace=a.trace, profile=a.profile, policy=a.policy, replicas=replicas,
                                 requests=requests, block_size=a.block_size))
     feed = Feed(plan.workload)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     cluster = Cluster(plan, feed, keep_keys=a.oracle)
     out = cluster.run()
     hit = None
     if cluster.sent is not None:
         hit = ceiling(cluster.sent, plan.sim.block_size, plan.replicas * plan.num_blocks).hit_rate
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     done = [r for r in out.records if r.ttft_ms is not None]
-    return {"replicas": replicas, "requests": len(out.records), "wall_s": wall, "virtual_s": out.virtual_s,
+    return {"replicas": replicas, "requests": len(out.records), "wall_s": wall, "cpu_s": cpu, "virtual_s": out.virtual_s,
             "steps": out.steps, "ttft_p50_ms": sorted(r.ttft_ms for r in done)[len(done) // 2] if done else 0.0,
             "oracle": hit if hit is not None else -1.0,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -64,7 +64,7 @@ def spawn(case: str, argv: list[str], instrumentation: str | None) -> dict[str, 
 
 
 def row(label: str, f: dict[str, float]) -> str:
-    return (f"{label:>7} {f['replicas']:>8.0f} {f['requests']:>8.0f} {f['wall_s']:>8.1f} "
+    return (f"{label:>7} {f['replicas']:>8.0f} {f['requests']:>8.0f} {f['wall_s']:>8.1f} {f['cpu_s']:>7.1f} "
             f"{f['requests'] / f['wall_s']:>8.0f} {f['virtual_s']:>10.0f} {f['virtual_s'] / f['wall_s']:>8.0f}x "
             f"{f['steps']:>10.0f} {f['ttft_p50_ms']:>11.0f} {f['rss_mib']:>12.0f}")
 
@@ -89,7 +89,7 @@ def main() -> None:
         argv += ["--block-size", str(a.block_size)]
     if a.oracle:
         argv.append("--oracle")
-    print(f"{'code':>7} {'replicas':>8} {'requests':>8} {'wall s':>8} {'req/s':>8} {'virtual s':>10} "
+    print(f"{'code':>7} {'replicas':>8} {'requests':>8} {'wall s':>8} {'CPU s':>7} {'req/s':>8} {'virtual s':>10} "
           f"{'× real':>9} {'steps':>10} {'TTFT p50 ms':>11} {'peak RSS MiB':>12}", flush=True)
     for case in a.cases.split(","):
         before = spawn(case, argv, a.before) if a.before else None
@@ -99,7 +99,8 @@ def main() -> None:
         print(row("now", after), flush=True)
         if before is not None:
             same = all(before[k] == after[k] for k in ("requests", "virtual_s", "steps", "ttft_p50_ms", "oracle"))
-            print(f"{'':>7} {before['wall_s'] / after['wall_s']:.1f}x faster, "
+            print(f"{'':>7} {before['wall_s'] / after['wall_s']:.1f}x faster ({before['cpu_s'] / after['cpu_s']:.1f}x "
+                  "less CPU), "
                   f"{'the same figures' if same else 'FIGURES DIFFER'}", flush=True)
 
 

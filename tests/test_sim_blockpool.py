@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.config import convert
-from kvlab.engine.sim.blockpool import BlockPool, wire_hash
+from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.profile import LatencyProfile, load_profiles
 from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
 from kvlab.errors import ConfigError
@@ -26,7 +26,7 @@ def test_cached_blocks_are_found_by_prefix_and_stored_events_carry_tokens():
     pool.cache(blocks, keys, None, tokens)
     (ev,) = pool.take_events()
     assert isinstance(ev, BlockStored)
-    assert ev.block_hashes == [wire_hash(k) for k in keys] and ev.token_ids == tokens
+    assert ev.block_hashes == keys and ev.token_ids == tokens
     assert ev.parent_block_hash is None and ev.block_size == 4
     assert all(0 <= h < 2**64 for h in ev.block_hashes)
     assert pool.cached_prefix(keys) == blocks
@@ -63,7 +63,7 @@ def test_lru_eviction_of_free_cached_blocks_emits_block_removed():
     (ev,) = pool.take_events()
     assert isinstance(ev, BlockRemoved)
     # vLLM frees a request's blocks tail first, so its last block goes before its first one
-    assert ev.block_hashes == [wire_hash(ka[1]), wire_hash(ka[0])]
+    assert ev.block_hashes == [ka[1], ka[0]]
     assert pool.cached_prefix(ka) == [] and pool.cached_prefix(kb) == b
 
 

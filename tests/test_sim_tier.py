@@ -3,7 +3,7 @@ loading back to GPU on a GPU miss, and the events vLLM's offloading connector pu
 
 from __future__ import annotations
 
-from kvlab.engine.sim.blockpool import BlockPool, wire_hash
+from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.profile import LatencyProfile
 from kvlab.engine.sim.scheduler import Request, Scheduler
 from kvlab.engine.sim.tier import CpuTier
@@ -35,12 +35,12 @@ def test_tier_stores_new_blocks_once_and_evicts_lru_with_cpu_events():
     tier.store(a, None, list(range(8)))          # already offloaded: touched, not stored again
     (stored,) = events
     assert isinstance(stored, BlockStored) and stored.medium == "CPU"
-    assert stored.block_hashes == [wire_hash(k) for k in a] and stored.token_ids == list(range(8))
+    assert stored.block_hashes == a and stored.token_ids == list(range(8))
     assert stored.parent_block_hash is None and stored.block_size == 4
     events.clear()
     tier.store(b, None, list(range(100, 108)))   # 4 blocks in a 3-block tier: a[0] is the LRU one
     assert [type(e) for e in events] == [BlockStored, BlockRemoved]
-    assert events[1].medium == "CPU" and events[1].block_hashes == [wire_hash(a[0])]
+    assert events[1].medium == "CPU" and events[1].block_hashes == [a[0]]
     assert a[0] not in tier and tier.lookup(a) == 0 and tier.lookup(b) == 2 and len(tier) == 3
     assert tier.evicted == 1
 
@@ -53,8 +53,8 @@ def test_partially_offloaded_chain_publishes_the_new_run_with_its_parent():
     events.clear()
     tier.store(keys, None, list(range(12)))
     (ev,) = events
-    assert ev.block_hashes == [wire_hash(k) for k in keys[1:]]
-    assert ev.parent_block_hash == wire_hash(keys[0]) and ev.token_ids == list(range(4, 12))
+    assert ev.block_hashes == keys[1:]
+    assert ev.parent_block_hash == keys[0] and ev.token_ids == list(range(4, 12))
 
 
 def _sched(gpu_blocks: int, cpu_blocks: int) -> Scheduler:
@@ -87,7 +87,7 @@ def test_gpu_eviction_demotes_to_cpu_and_a_hit_promotes_back_with_its_load_cost(
     assert batches[0].loaded_blocks == 4 and batches[0].prefill_tokens == 1
     assert s.external_hits == 16 and s.prefix_hits == 0
     promoted = _by_medium(s.pool.take_events(), BlockStored, "GPU")
-    assert promoted and promoted[0].block_hashes[:4] == [wire_hash(k) for k in s.prompt_keys(first)[:4]]
+    assert promoted and promoted[0].block_hashes[:4] == s.prompt_keys(first)[:4]
     assert s.pool.tier is not None and s.pool.tier.loaded == 4
     # the load is paid in the step: 4 blocks x kv_load_ms_per_block
     prof = LatencyProfile(description="t", source="t", step_overhead_ms=1, prefill_ms_per_token=1,
@@ -111,7 +111,7 @@ def test_cpu_eviction_loses_the_block_and_reset_clears_the_tier():
     _serve(s, list(range(500, 517)), "b")           # 4 more blocks: a's leave the 4-block CPU tier
     evs = s.pool.take_events()
     assert {h for e in _by_medium(evs, BlockRemoved, "CPU") for h in e.block_hashes} >= {
-        wire_hash(k) for k in s.prompt_keys(list(range(17)))[:4]}
+        *s.prompt_keys(list(range(17)))[:4]}
     r, _ = _serve(s, list(range(17)), "c")
     assert r.num_loaded == 0
     s.reset_prefix_cache()

@@ -40,8 +40,11 @@ class Routed:
 
 class Router:
     def __init__(self, cfg: PolicyConfig, registry: Registry, precise: PreciseIndex,
-                 approx: ApproximateIndex, ranker: Ranker) -> None:
+                 approx: ApproximateIndex, ranker: Ranker, fallback: bool = True) -> None:
         self.cfg = cfg
+        # False where event streams never go stale (the twin): the approximate index then learns
+        # only what it is read for, the replicas not on the precise one
+        self.fallback = fallback
         self.registry = registry
         self.precise = precise
         self.approx = approx
@@ -136,6 +139,7 @@ class Router:
             return
         if r.num_gpu_blocks:
             self.approx.capacity_of[r.name] = r.num_gpu_blocks
-        self.approx.learn(r.name, keys, bs)
+        if self.fallback or not self.uses_precise(r):
+            self.approx.learn(r.name, keys, bs)
         if self.precise_keys(r):
             self.precise.speculate(r.name, keys)

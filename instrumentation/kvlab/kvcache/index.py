@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, is_not, not_, or_
+from typing import cast
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvlab.kvcache.hashing import ROOT, block_keys
@@ -130,8 +131,12 @@ class PreciseIndex:
     """Fed by KV events. Per replica: engine hash -> gateway key (for removals and parents), and the
     speculative blocks not yet confirmed (key -> expiry, oldest first, so expiry pops from the front)."""
 
-    def __init__(self, speculative_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, speculative_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 engine_keys: bool = False) -> None:
         self.table = BlockTable()
+        # the engines hash blocks with our own family (`block_keys`, seed 0), so a BlockStored's
+        # hashes are our keys and its token ids need no re-keying: the twin's engines, never a live one
+        self.engine_keys = engine_keys
         self._engine: dict[str, dict[object, int]] = {}
         self._offloaded: dict[str, dict[object, int]] = {}   # the same, for blocks in the CPU tier
         self.block_size: dict[str, int] = {}   # as announced by BlockStored events
@@ -240,7 +245,7 @@ class PreciseIndex:
                         self.unresolved += len(ev.block_hashes)
                         continue
                     parent = found
-                keys = block_keys(ev.token_ids, bs, parent)
+                keys = cast(list[int], ev.block_hashes) if self.engine_keys else block_keys(ev.token_ids, bs, parent)
                 n = min(len(keys), len(ev.block_hashes))
                 emap.update(zip(ev.block_hashes[:n], keys[:n]))
                 table.add(replica, keys[:n], offloaded=cpu)

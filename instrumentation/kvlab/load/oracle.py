@@ -71,13 +71,13 @@ def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None
     """Belady's block hits on one pooled cache of `capacity_blocks` (None: unbounded)."""
     prompt_tokens = sum(p.tokens for p in reqs)
     n = sum(len(p.keys) for p in reqs)
-    seq = np.fromiter(itertools.chain.from_iterable(p.keys for p in reqs), dtype=np.int64, count=n)
+    seq = np.fromiter(itertools.chain.from_iterable(p.keys for p in reqs), dtype=np.uint64, count=n)
     if capacity_blocks is None:   # every block seen before is a hit
         return Oracle(prompt_tokens, (n - len(np.unique(seq))) * block_size, block_size, None)
     return Oracle(prompt_tokens, _belady(_next_uses(seq), capacity_blocks) * block_size, block_size, capacity_blocks)
 
 
-def _next_uses(seq: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _next_uses(seq: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Each position's next use of its key (`len(seq)`: never), from the positions sorted by key."""
     n = len(seq)
     order = np.argsort(seq, kind="stable")   # stable: one key's positions in order

@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
         if replays:
             dynamo.check(first)
     except ConfigError as exc:
-        console.print(f"[red]kvlab twin:[/red] {exc}")
+        console.print(f"[red]kvlab twin:[/red] {exc}", soft_wrap=True)
         return 2
     for line in header(first):
         console.print(line, highlight=False)
@@ -194,7 +194,8 @@ def main(argv: list[str]) -> int:
     if results and not results[-1].records:
         results.pop()
     if not results and (stopped is not None or not replays):
-        console.print(f"[red]kvlab twin:[/red] {stopped.why if stopped else 'nothing ran'}; nothing finished")
+        console.print(f"[red]kvlab twin:[/red] {stopped.why if stopped else 'nothing ran'}; nothing finished",
+                      soft_wrap=True)
         return 1
     peers = []
     if stopped is None:
@@ -219,7 +220,8 @@ def main(argv: list[str]) -> int:
     source = "the twin; the (peer) rows from Dynamo's replay" if peers else "the twin"
     console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from {source})")
     if stopped is not None:
-        console.print(f"[red]kvlab twin:[/red] {stopped.why}; wrote what had finished (summary marked partial)")
+        console.print(f"[red]kvlab twin:[/red] {stopped.why}; wrote what had finished (summary marked partial)",
+                      soft_wrap=True)
         cause = stopped.__cause__
         return 130 if isinstance(cause, KeyboardInterrupt) else 143 if isinstance(cause, Interrupt) else 1
     return 0

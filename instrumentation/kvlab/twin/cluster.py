@@ -105,10 +105,11 @@ class Cluster:
         cfg = plan.policy
         ttl = cfg.index.speculative_ttl_s if info.speculative_ttl_s is None else info.speculative_ttl_s
         self.now_ms = 0.0
-        self.precise = PreciseIndex(ttl, clock=lambda: self.now_ms / 1000.0)
+        # the twin's engines hash as the gateway does: their KV events carry its keys
+        self.precise = PreciseIndex(ttl, clock=lambda: self.now_ms / 1000.0, engine_keys=True)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         events = cfg.index.kind == "precise"
-        self.replicas = [Replica(m, plan.profile, plan.sim, plan.num_blocks, events, plan.settings.seed)
+        self.replicas = [Replica(m, plan.profile, plan.sim, plan.num_blocks, events)
                          for m in plan.members]
         self.by_name = {r.name: r for r in self.replicas}
         self.feed = feed or Feed(plan.workload)
@@ -118,7 +119,9 @@ class Cluster:
         self.registry.replicas = {r.name: r.backend for r in self.replicas}
         for r in self.replicas:
             r.backend.events_state = "live" if events else "none"
-        self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg, _rng(plan)))
+        # a twin replica's event stream never goes stale: no approximate fallback is kept for it
+        self.router = Router(cfg, self.registry, self.precise, self.approx, presets.build(cfg, _rng(plan)),
+                             fallback=False)
         # the prefill pool when the policy splits (a twin replica never fails: it is fixed)
         self.prefills = prefill_replicas(self.registry) if cfg.pd.enabled else None
         self.book = PrefillBook()
@@ -288,7 +291,7 @@ class Cluster:
         d = routed.decision
         if self.sent is not None:
             # 8 bytes a key, not a list of int objects: 10,000 trace prompts hold ~9 million keys
-            self.sent.append(Blocks(len(tokens), array("q", routed.keys_by_size[self.plan.sim.block_size])))
+            self.sent.append(Blocks(len(tokens), array("Q", routed.keys_by_size[self.plan.sim.block_size])))
         replica = self.by_name[d.chosen.name]
         pd = plan_split(self.plan.policy.pd, self.router, self.prefills, tokens, routed) \
             if self.prefills is not None else None
@@ -307,7 +310,8 @@ class Cluster:
             flight.decode = replica
         else:
             flight = self._call(prompt, now, replica, max(len(tokens) - d.chosen.prefix_tokens, 0), record, user,
-                                now + delay, prompt.max_tokens, self.chunking.chunk_tokens if self.chunking else 0)
+                                now + delay, prompt.max_tokens, self.chunking.chunk_tokens if self.chunking else 0,
+                                routed.keys_by_size.get(replica.pool.block_size))
         if rest:   # an open-loop session's later requests follow this one (closed loop inside it)
             self._user_session[-self._ids] = rest
             flight.user = -self._ids
@@ -317,10 +321,11 @@ class Cluster:
             self._push(now + delay, SUBMIT, flight)
 
     def _call(self, prompt: Prompt, sent_ms: float, replica: Replica, work: int, record: Record, user: int | None,
-              at_ms: float, max_tokens: int, chunk: int = 0) -> Flight:
+              at_ms: float, max_tokens: int, chunk: int = 0, keys: list[int] | None = None) -> Flight:
         """A call to `replica` reaching it at `at_ms`, with the gateway's lease on it (upstream.py
         `Lease`: in flight, routed, its uncached tokens as pending prefill work); with `chunk`, the
-        call generates the first chunk of the answer."""
+        call generates the first chunk of the answer. `keys`: the prompt's block keys the router
+        computed, which are the engine's too (a twin engine hashes as the gateway does)."""
         backend = replica.backend
         backend.inflight += 1
         backend.routed += 1
@@ -332,7 +337,8 @@ class Cluster:
         tokens = prompt.tokens
         out = self.sampler.draw(tokens, max_tokens) if self.sampler is not None else [_OUTPUT_TOKEN] * max_tokens
         flight = Flight(prompt, sent_ms, replica,
-                        Request(rid, tokens, out[:chunk] if chunk else out, replica.sched.prompt_keys(tokens)),
+                        Request(rid, tokens, out[:chunk] if chunk else out,
+                                list(keys) if keys is not None else replica.sched.prompt_keys(tokens)),
                         prefill, work, record, user, chunk=chunk, total=max_tokens, out=out)
         self._flights[rid] = flight
         return flight

@@ -22,16 +22,17 @@ class Replica:
     __slots__ = ("backend", "batch", "busy", "cruise", "done", "events", "gen", "group", "name", "pool", "profile",
                  "scale", "sched", "steps")
 
-    def __init__(self, member: Member, profile: LatencyProfile, sim: SimSettings, num_blocks: int, events: bool,
-                 seed: int) -> None:
+    def __init__(self, member: Member, profile: LatencyProfile, sim: SimSettings, num_blocks: int,
+                 events: bool) -> None:
         self.name = member.name
         self.profile = profile
         self.scale = sim.time_scale
         self.pool = BlockPool(num_blocks, sim.block_size, events=events,
                               cpu_blocks=sim.cpu_kv_blocks or profile.cpu_kv_blocks, pinned_share=sim.typed_retention)
-        # the same per-rank hash seeds as `kvlab engine sim` (engine/sim/cli.py)
-        self.sched = Scheduler(self.pool, sim.max_num_seqs, sim.max_num_batched_tokens,
-                               hash_seed=seed * 1009 + member.seed_index + 1)
+        # the gateway's own hash family (seed 0), unlike `kvlab engine sim`'s per-rank seeds: a
+        # prompt is hashed once, by the router, and the KV events carry the gateway's keys (no
+        # figure depends on a key's value)
+        self.sched = Scheduler(self.pool, sim.max_num_seqs, sim.max_num_batched_tokens, hash_seed=0)
         self.backend = Backend(Endpoint(name=self.name, url=f"twin://{self.name}",
                                         kv_events=f"twin://{self.name}/events" if events else None,
                                         role=member.role, dp_rank=member.dp_rank, replica=member.replica))

@@ -92,11 +92,10 @@ class TwinSettings(Strict, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One endpoint the gateway routes to, named, labelled and seeded as `kvlab engine sim` does."""
+    """One endpoint the gateway routes to, named and labelled as `kvlab engine sim` does."""
 
     name: str
     role: str                  # both | prefill | decode
-    seed_index: int            # its rank's index in its pool's process: hash seed = seed * 1009 + index + 1
     replica: str | None = None  # the data-parallel replica it is a rank of (None: it is the replica)
     dp_rank: int | None = None
 
@@ -208,7 +207,7 @@ def layout(topo: Topology, replicas: int | None) -> list[Member]:
             base = f"sim-{i}" if len(ps) == 1 else (p.name if n == 1 else f"{p.name}-{i}")
             for r in range(dp):
                 if dp == 1:
-                    out.append(Member(base, p.role, i))
+                    out.append(Member(base, p.role))
                 else:
-                    out.append(Member(f"{base}-dp{r}", p.role, i * dp + r, base, r))
+                    out.append(Member(f"{base}-dp{r}", p.role, base, r))
     return out

@@ -7,24 +7,25 @@ blocks sit in an LRU queue and a cached free block loses its identity only when 
 reaches it. Two deliberate refinements: freed blocks that hold nothing cached go to the front of
 the queue (reused first, so cached content lives longer), and a block whose key is already cached
 elsewhere is not cached twice (so every BlockStored has exactly one BlockRemoved later).
-Every change of cached content queues a vLLM KV event (`take_events`).
+Every change of cached content queues a vLLM KV event (`take_events`); a block's key is already
+the unsigned 64-bit hash vLLM publishes (kvlab.kvcache.hashing).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import compress, islice, repeat, takewhile
+from operator import attrgetter, is_not, not_, sub
+from typing import cast
 
 from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
 from kvlab.engine.sim.tier import CpuTier
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 
-_U64 = (1 << 64) - 1
-
-
-def wire_hash(key: int) -> int:
-    """A block key as vLLM publishes it: an unsigned 64-bit int."""
-    return key & _U64
+_present = partial(is_not, None)
+_key, _id, _ref_cnt = attrgetter("key"), attrgetter("id"), attrgetter("ref_cnt")
 
 
 class Block:
@@ -80,14 +81,7 @@ class BlockPool:
     # ---- operations ------------------------------------------------------------------
     def cached_prefix(self, keys: Sequence[int]) -> list[Block]:
         """The cached blocks of the longest prefix of `keys` (not yet referenced)."""
-        hits: list[Block] = []
-        cached = self._cached
-        for key in keys:
-            block = cached.get(key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return cast(list[Block], list(takewhile(_present, map(self._cached.get, keys))))
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
@@ -100,35 +94,41 @@ class BlockPool:
     def allocate(self, n: int) -> list[Block] | None:
         """`n` fresh blocks from the LRU end of the free queue, evicting what they cached;
         None (and no change) when fewer than `n` are free."""
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
-        out: list[Block] = []
-        removed: list[ExternalBlockHash] = []
-        popitem = self._free.popitem
-        for _ in range(n):
-            _, block = popitem(last=False)
-            if block.key is not None:
-                del self._cached[block.key]
-                removed.append(block.key & _U64)   # wire_hash, inline: a prompt's worth per call
-                block.key = None
-            block.ref_cnt = 1
-            out.append(block)
-        if removed and self._events_on:
-            self._events.append(BlockRemoved(block_hashes=removed, medium="GPU"))
+        # a prompt's worth of blocks a call: taken, evicted and referenced in C-level passes
+        if isinstance(free, OrderedDict):
+            out = list(map(free.pop, list(islice(free, n))))
+        else:
+            out = [free.popitem(last=False)[1] for _ in range(n)]
+        evicted = [b for b in out if b.key is not None]
+        if evicted:
+            removed: list[int] = list(map(_key, evicted))
+            deque(map(self._cached.__delitem__, removed), maxlen=0)
+            deque(map(setattr, evicted, repeat("key"), repeat(None)), maxlen=0)
+            if self._events_on:
+                self._events.append(BlockRemoved(block_hashes=cast(list[ExternalBlockHash], removed), medium="GPU"))
+        deque(map(setattr, out, repeat("ref_cnt"), repeat(1)), maxlen=0)
         return out
 
     def cache(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
               token_ids: list[int], classes: Sequence[int] | None = None) -> None:
         """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored;
         `classes`: their retention classes (a typed pool)."""
-        stored: list[ExternalBlockHash] = []
         cached = self._cached
-        for block, key in zip(blocks, keys):
-            if key in cached:  # the same content is already cached in another block
-                continue
-            block.key = key
-            cached[key] = block
-            stored.append(key & _U64)   # wire_hash
+        if len(blocks) == len(keys) and not any(map(cached.__contains__, keys)):   # the usual case, in C
+            stored: list[int] = list(keys)
+            cached.update(zip(stored, blocks))
+            deque(map(setattr, blocks, repeat("key"), stored), maxlen=0)
+        else:
+            stored = []
+            for block, key in zip(blocks, keys):
+                if key in cached:  # the same content is already cached in another block
+                    continue
+                block.key = key
+                cached[key] = block
+                stored.append(key)
         if classes is not None:
             self.classify(blocks, classes)
         if stored and self._events_on:
@@ -136,7 +136,7 @@ class BlockPool:
                 self._store_each(blocks, keys, parent, token_ids)
             else:
                 self._events.append(BlockStored(
-                    block_hashes=stored, parent_block_hash=None if parent is None else wire_hash(parent),
+                    block_hashes=cast(list[ExternalBlockHash], stored), parent_block_hash=parent,
                     token_ids=token_ids, block_size=self.block_size, medium="GPU",
                     retention_classes=self._class_names(blocks)))
         if self.tier is not None:  # offloaded on compute (tier.py)
@@ -148,7 +148,7 @@ class BlockPool:
         for i, (block, key) in enumerate(zip(blocks, keys)):
             if block.key == key:
                 self._events.append(BlockStored(
-                    block_hashes=[wire_hash(key)], parent_block_hash=None if parent is None else wire_hash(parent),
+                    block_hashes=[key], parent_block_hash=parent,
                     token_ids=token_ids[i * bs:(i + 1) * bs], block_size=bs, medium="GPU",
                     retention_classes=self._class_names([block])))
             parent = key
@@ -168,12 +168,23 @@ class BlockPool:
         """Drop a reference on each block; pass a request's blocks tail first (as vLLM does) so
         a prompt's last blocks are evicted before its shared first ones."""
         free = self._free
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                free[block.id] = block
-                if block.key is None:
-                    free.move_to_end(block.id, last=False)
+        if not isinstance(free, OrderedDict):
+            for block in blocks:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    free[block.id] = block
+                    if block.key is None:
+                        free.move_to_end(block.id, last=False)
+            return
+        # in C-level passes: the same queue as freeing one block at a time in this order
+        blocks = list(blocks)
+        refs = list(map(sub, map(_ref_cnt, blocks), repeat(1)))
+        deque(map(setattr, blocks, repeat("ref_cnt"), refs), maxlen=0)
+        unused = list(compress(blocks, map(not_, refs)))
+        free.update(zip(map(_id, unused), unused))
+        for block in unused:
+            if block.key is None:
+                free.move_to_end(block.id, last=False)
 
     def reset(self) -> None:
         """Forget every cached block (running requests keep their blocks); AllBlocksCleared."""

@@ -23,7 +23,6 @@ from kvlab.kvcache.events import BlockRemoved, BlockStored, Event
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-_U64 = (1 << 64) - 1
 
 
 class CpuTier:
@@ -88,15 +87,15 @@ class CpuTier:
             gone = [lru.popitem(last=False)[0] for _ in range(over)]
             self.evicted += over
             if self._emit is not None:
-                self._emit(BlockRemoved(block_hashes=[k & _U64 for k in gone], medium=MEDIUM_CPU))
+                self._emit(BlockRemoved(block_hashes=list(gone), medium=MEDIUM_CPU))
 
     def _flush(self, run: list[int], parent: int | None, token_ids: list[int]) -> None:
         if not run:
             return
         self.stored += len(run)
         if self._emit is not None:
-            self._emit(BlockStored(block_hashes=[k & _U64 for k in run],
-                                   parent_block_hash=None if parent is None else parent & _U64,
+            self._emit(BlockStored(block_hashes=list(run),
+                                   parent_block_hash=parent,
                                    token_ids=token_ids, block_size=self.block_size, medium=MEDIUM_CPU))
 
     def reset(self) -> None:
