@@ -176,8 +176,10 @@ class PreciseIndex:
         pending = self._spec.setdefault(replica, OrderedDict())
         until = now + self.speculative_ttl_s
         added = list(compress(keys, map(not_, map(and_, map(confirmed.get, keys, repeat(0)), repeat(b)))))
+        held = len(pending)
         pending.update(zip(added, repeat(until)))   # new ones at the end, in order; then the others moved there
-        deque(map(pending.move_to_end, added), maxlen=0)
+        if len(pending) - held < len(added):
+            deque(map(pending.move_to_end, added), maxlen=0)
         self.table.add(replica, added, speculative=True)
         return len(added)
 
