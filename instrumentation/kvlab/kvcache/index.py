@@ -78,10 +78,12 @@ class BlockTable:
             return
         masks = self._layer(speculative, offloaded)
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        # in C: every key's mask without the bit (an absent key reads 0), then the empty ones dropped
+        # in C: every key's mask without the bit (an absent key reads 0); the keys left empty are
+        # dropped, the others (held elsewhere too, the fewer) rewritten
         left = list(map(and_, map(masks.get, keys, repeat(0)), repeat(~b)))
-        masks.update(zip(keys, left))
         deque(map(masks.pop, compress(keys, map(not_, left)), repeat(None)), maxlen=0)
+        if any(left):
+            masks.update(zip(compress(keys, left), filter(None, left)))
 
     def forget(self, replica: str, keys: Iterable[int]) -> None:
         """Drop all of a replica's keys and release its bit."""
