@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
         if replays:
             dynamo.check(first)
     except ConfigError as exc:
-        console.print(f"[red]kvlab twin:[/red] {exc}")
+        console.print(f"kvlab twin: {exc}", style="red", markup=False)   # not markup: "kvlab[dynamo]"
         return 2
     for line in header(first):
         console.print(line, highlight=False)
