@@ -2,13 +2,16 @@
 
     kvlab plan --trace mooncake-conversation                     # round-robin and kv-aware, default SLO
     kvlab plan --trace my.jsonl --ttft-p90-ms 1000 --tpot-p90-ms 50 --policies round-robin,prefix,kv-aware
+    kvlab plan --trace mooncake-conversation --policies round-robin,kv-aware,dynamo-kv-router   # + Dynamo's answer
 
 Each policy's fewest replicas come from twin runs (docs/twin.md, "How many replicas?"): doubling
 from --start until the SLO is met, then bisecting; each probe is printed as it finishes. The SLO
 (defaults: TTFT p90 <= 2,000 ms and TPOT p90 <= 100 ms, over every request, errors as misses) may
 add a TTFT p99 bound and a goodput share (requests meeting both per-request bounds). Writes
 runs/<time>-plan/: plan.json and plan.html (goodput against replicas per policy). Figures are
-from the twin (virtual time, simulated replicas), not a live run.
+from the twin (virtual time, simulated replicas), not a live run; a `dynamo-*` name (twin/dynamo.py)
+is sized by the same search and SLO on the same trace rows, each probe Dynamo's own router and
+mocker replayed with N workers: its rows are marked (peer), figures from Dynamo's simulator.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from rich.table import Table
 
 from kvlab.config import convert
 from kvlab.errors import ConfigError
-from kvlab.plan.search import Answer, Probe, Target, replicas_needed
+from kvlab.plan.search import Answer, Probe, Target, dynamo_replicas_needed, replicas_needed
+from kvlab.run.command import fail
+from kvlab.twin import dynamo
 from kvlab.twin.cli import policies_of
 from kvlab.twin.fit import describe
 from kvlab.twin.runner import Stopped
@@ -56,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
                    help=f"requests per probe (default {DEFAULT_REQUESTS})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="NAMES",
-                   help=f"routing policies to size, comma-separated (default {DEFAULT_POLICIES})")
+                   help=f"routing policies to size, comma-separated (default {DEFAULT_POLICIES}); "
+                        "dynamo-round-robin, dynamo-kv-router: Dynamo's own replay's answer beside them")
     p.add_argument("--ttft-p90-ms", type=float, default=2000.0, metavar="MS", help="TTFT p90 bound (default 2000)")
     p.add_argument("--ttft-p99-ms", type=float, metavar="MS", help="TTFT p99 bound (default: none)")
     p.add_argument("--tpot-p90-ms", type=float, default=100.0, metavar="MS", help="TPOT p90 bound (default 100)")
@@ -85,6 +91,10 @@ def settings_of(args: argparse.Namespace) -> tuple[TwinSettings, Target]:
     return convert(data, TwinSettings, "kvlab plan"), convert(slo, Target, "kvlab plan")
 
 
+def label(a: Answer) -> str:
+    return f"{a.policy} (peer)" if a.peer else a.policy
+
+
 def probe_line(policy: str, p: Probe) -> str:
     return (f"{policy} · {p.replicas} replicas: TTFT p90 {p.ttft_p90_ms:,.0f} ms, p99 {p.ttft_p99_ms:,.0f} ms, "
             f"TPOT p90 {p.tpot_p90_ms:,.1f} ms, goodput {p.goodput:.0%}, {p.errors} errors → "
@@ -92,12 +102,14 @@ def probe_line(policy: str, p: Probe) -> str:
 
 
 def answer_table(answers: list[Answer], slo: Target) -> Table:
-    t = Table(title=f"fewest replicas for {slo.describe()} (twin)", title_justify="left")
+    peers = sorted({a.source for a in answers if a.peer})
+    t = Table(title=f"fewest replicas for {slo.describe()} (twin)", title_justify="left",
+              caption="; ".join(f"(peer) rows: {s}" for s in peers) or None, caption_justify="left")
     for h in ("policy", "replicas", "GPUs", "TTFT p90", "TPOT p90", "goodput", "probes"):
         t.add_column(h, justify="left" if h == "policy" else "right", overflow="fold")
     for a in answers:
         p = a.probes.get(a.replicas) if a.replicas is not None else None
-        t.add_row(a.policy, str(a.replicas) if a.replicas is not None else f"> {a.limit}",
+        t.add_row(label(a), str(a.replicas) if a.replicas is not None else f"> {a.limit}",
                   str(a.gpus) if a.gpus is not None else "–",
                   f"{p.ttft_p90_ms:,.0f} ms" if p else "–", f"{p.tpot_p90_ms:,.1f} ms" if p else "–",
                   f"{p.goodput:.0%}" if p else "–", str(len(a.probes)))
@@ -105,8 +117,8 @@ def answer_table(answers: list[Answer], slo: Target) -> Table:
 
 
 def saving(answers: list[Answer]) -> str | None:
-    """What kv-aware saves over round-robin, when both were sized."""
-    by = {a.policy: a for a in answers}
+    """What kv-aware saves over round-robin in the twin, when both were sized."""
+    by = {a.policy: a for a in answers if not a.peer}
     rr, kv = by.get("round-robin"), by.get("kv-aware")
     if rr is None or kv is None or kv.replicas is None:
         return None
@@ -117,18 +129,38 @@ def saving(answers: list[Answer]) -> str | None:
     return f"kv-aware needs {n} fewer replicas{gpus} than round-robin ({kv.replicas} against {rr.replicas})"
 
 
+def dynamo_answer(answers: list[Answer]) -> str | None:
+    """Dynamo's KV router's answer from its own replay (and its saving over Dynamo's round-robin)."""
+    by = {a.policy: a for a in answers if a.peer}
+    kv, rr = by.get("dynamo-kv-router"), by.get("dynamo-round-robin")
+    if kv is None:
+        return None
+    head = "Dynamo's own replay (its router and mocker, its timing model, not kvlab's twin): dynamo-kv-router "
+    if kv.replicas is None:
+        return head + f"does not meet the SLO with {kv.limit} replicas"
+    gpus = f" ({kv.gpus} GPUs)" if kv.gpus_per_replica else ""
+    line = head + f"needs {kv.replicas} replicas{gpus}"
+    if rr is not None:
+        line += (f", dynamo-round-robin {rr.replicas}" if rr.replicas is not None
+                 else f"; dynamo-round-robin does not meet it with {rr.limit}")
+    return line
+
+
 def figure(answers: list[Answer], slo: Target) -> go.Figure:
     """Goodput against replicas, one line per policy, each policy's answer marked."""
     fig = go.Figure()
     for a in answers:
         xs = sorted(a.probes)
-        fig.add_scatter(x=xs, y=[a.probes[n].goodput for n in xs], name=a.policy, mode="lines+markers")
+        name = f"{a.policy} (Dynamo's simulator)" if a.peer else a.policy
+        fig.add_scatter(x=xs, y=[a.probes[n].goodput for n in xs], name=name, mode="lines+markers",
+                        line={"dash": "dot" if a.peer else "solid"})
         if a.replicas is not None:
-            fig.add_scatter(x=[a.replicas], y=[a.probes[a.replicas].goodput], name=f"{a.policy}: {a.replicas}",
+            fig.add_scatter(x=[a.replicas], y=[a.probes[a.replicas].goodput], name=f"{name}: {a.replicas}",
                             mode="markers", marker={"size": 14, "symbol": "star"})
     if slo.goodput_share is not None:
         fig.add_hline(y=slo.goodput_share, line_dash="dash", annotation_text="SLO goodput")
-    fig.update_layout(title=f"Goodput against replicas (twin) · SLO {slo.describe()}",
+    twin = "twin; dotted: Dynamo's replay" if any(a.peer for a in answers) else "twin"
+    fig.update_layout(title=f"Goodput against replicas ({twin}) · SLO {slo.describe()}",
                       xaxis={"title": "replicas", "type": "log"},
                       yaxis={"title": "requests meeting TTFT and TPOT bounds", "tickformat": ".0%"})
     return fig
@@ -140,11 +172,14 @@ def main(argv: list[str]) -> int:
     try:
         settings, slo = settings_of(args)
         policies = policies_of(args.policies)
-        first = resolve(msgspec.structs.replace(settings, policy=policies[0], replicas=args.start))
-        for p in policies[1:]:
+        names, replays = dynamo.split(policies)
+        first = resolve(msgspec.structs.replace(settings, policy=names[0] if names else None, replicas=args.start))
+        for p in names[1:]:
             resolve(msgspec.structs.replace(settings, policy=p, replicas=args.start))
+        if replays:
+            dynamo.check(first)
     except ConfigError as exc:
-        console.print(f"[red]kvlab plan:[/red] {exc}")
+        fail(console, "plan", exc)
         return 2
     gpus = first.profile.gpus_per_replica
     console.print(f"plan · {first.workload.name} · {settings.requests} requests a probe · profile {first.profile_name} "
@@ -154,31 +189,40 @@ def main(argv: list[str]) -> int:
         console.print(f"profile {first.profile_name}: {first.profile_reason}", highlight=False)
     if first.fit is not None and (note := describe(first.fit, first.profile_name)):
         console.print(note, highlight=False)
+    if replays:
+        console.print(f"{', '.join(replays)}: {dynamo.source()}, engines sized as the twin's replicas",
+                      highlight=False)
     start = time.perf_counter()
     answers: list[Answer] = []
     try:
         for policy in policies:
-            def report(p: Probe, policy: str = policy) -> None:
-                console.print(probe_line(policy, p), highlight=False)
+            def report(p: Probe, name: str = f"{policy} (peer)" if policy in replays else policy) -> None:
+                console.print(probe_line(name, p), highlight=False)
 
-            answers.append(replicas_needed(settings, slo, policy, args.max_replicas, args.start, report))
+            needed = dynamo_replicas_needed if policy in replays else replicas_needed
+            answers.append(needed(settings, slo, policy, args.max_replicas, args.start, report))
     except (Stopped, ConfigError) as exc:
-        console.print(f"[red]kvlab plan:[/red] {exc}")
+        fail(console, "plan", exc)
         return 2 if isinstance(exc, ConfigError) else 1
     wall = time.perf_counter() - start
     console.print(answer_table(answers, slo))
-    if (line := saving(answers)) is not None:
-        console.print(line, highlight=False)
+    for line in (saving(answers), dynamo_answer(answers)):
+        if line is not None:
+            console.print(line, highlight=False)
     run_dir = _run_dir(args.run_dir)
     doc = {"source": SOURCE, "command": "kvlab plan " + " ".join(argv), "settings": msgspec.to_builtins(settings),
            "profile": first.profile_name, "gpus_per_replica": first.profile.gpus_per_replica,
            "slo": msgspec.to_builtins(slo), "wall_s": round(wall, 1), "saving": saving(answers),
-           "answers": {a.policy: {"replicas": a.replicas, "gpus": a.gpus, "limit": a.limit,
-                                  "probes": [msgspec.to_builtins(p) for p in a.probes.values()]}
+           "answers": {a.policy: {"replicas": a.replicas, "gpus": a.gpus, "limit": a.limit, "source": a.source,
+                                  "peer": a.peer, "probes": [msgspec.to_builtins(p) for p in a.probes.values()]}
                        for a in answers}}
+    if replays:
+        doc["dynamo"] = {"source": dynamo.source(), "engine": dynamo.engine_args(first),
+                         "answer": dynamo_answer(answers)}
     (run_dir / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     figure(answers, slo).write_html(run_dir / "plan.html", include_plotlyjs="cdn")
-    console.print(f"[green]wrote[/green] {run_dir / 'plan.html'} and plan.json ({wall:.0f} s; figures from the twin)")
+    source = "the twin; the (peer) rows from Dynamo's replay" if replays else "the twin"
+    console.print(f"[green]wrote[/green] {run_dir / 'plan.html'} and plan.json ({wall:.0f} s; figures from {source})")
     return 0
 
 

@@ -1,10 +1,11 @@
 """How many replicas a routing policy needs to meet an SLO on a workload: the fewest replica count
-whose twin run meets it, found by doubling until one does and bisecting below it (each probe a
-twin run; the SLO's figures are assumed to improve with replicas).
+whose run meets it, found by doubling until one does and bisecting below it (the SLO's figures are
+assumed to improve with replicas).
 
-`replicas_needed(settings, slo, policy)` is the one question; another system's answer to it (e.g.
-Dynamo's planner replayed offline) fits beside kvlab's as another function of the same settings
-and SLO returning an `Answer`.
+`search` is that search over any `Runner` (n replicas -> the records of one probe), every probe
+judged by the same `judge`. `replicas_needed(settings, slo, policy)` asks it of kvlab's twin;
+`dynamo_replicas_needed(settings, slo, name)` asks it of Dynamo's own router and mocker replayed
+offline (twin/dynamo.py) on the same trace rows: another simulator's answer beside kvlab's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from kvlab.config import Strict
 from kvlab.errors import ConfigError
 from kvlab.load.measure import Record
 from kvlab.load.summary import Slo, goodput
+from kvlab.twin import dynamo
 from kvlab.twin.runner import run
 from kvlab.twin.settings import MAX_REPLICAS, TwinSettings, resolve
 
+TWIN = "kvlab's twin (virtual time, kvlab's latency profile)"
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 
@@ -47,7 +50,7 @@ class Target(Strict, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """One twin run at one replica count, judged against the SLO."""
+    """One run at one replica count, judged against the SLO."""
 
     replicas: int
     met: bool
@@ -67,7 +70,13 @@ class Answer:
     replicas: int | None
     gpus_per_replica: int
     limit: int
+    source: str = TWIN          # the simulator whose runs the probes judged
     probes: dict[int, Probe] = field(default_factory=dict)
+
+    @property
+    def peer(self) -> bool:
+        """Sized by another project's simulator, not kvlab's twin."""
+        return self.source != TWIN
 
     @property
     def gpus(self) -> int | None:
@@ -91,28 +100,27 @@ def judge(records: list[Record], slo: Target, replicas: int, wall_s: float) -> P
     return Probe(replicas, met, p90, p99, t90, good, sum(1 for r in records if r.error), wall_s)
 
 
-def replicas_needed(settings: TwinSettings, slo: Target, policy: str, limit: int = 64, start: int = 1,
-                    report: Callable[[Probe], None] | None = None) -> Answer:
-    """The fewest replicas (1..limit) with which `policy` meets `slo` on `settings`' workload."""
-    if not 1 <= start <= limit <= MAX_REPLICAS:
-        raise ConfigError(f"the replica search needs 1 <= start <= limit <= {MAX_REPLICAS} (got {start}, {limit})")
-    first = resolve(msgspec.structs.replace(settings, policy=policy, replicas=start))
-    answer = Answer(first.policy.name, None, first.profile.gpus_per_replica, limit)
+Runner = Callable[[int], tuple[list[Record], float]]   # n replicas -> a probe's records and wall seconds
+
+
+def search(answer: Answer, runner: Runner, slo: Target, start: int = 1,
+           report: Callable[[Probe], None] | None = None) -> Answer:
+    """Fill `answer` (its probes, and its replicas if `slo` is met by `answer.limit`) from `runner`."""
+    _check_range(start, answer.limit)
 
     def probe(n: int) -> bool:
         if n not in answer.probes:
-            plan = first if n == start else resolve(msgspec.structs.replace(settings, policy=policy, replicas=n))
-            r = run(plan, oracle=False)
-            answer.probes[n] = p = judge(r.records, slo, n, r.wall_s)
+            records, wall_s = runner(n)
+            answer.probes[n] = p = judge(records, slo, n, wall_s)
             if report is not None:
                 report(p)
         return answer.probes[n].met
 
     lo, hi = start - 1, start   # lo fails (or is below the range), hi is the next to try
     while not probe(hi):
-        if hi == limit:
+        if hi == answer.limit:
             return answer
-        lo, hi = hi, min(hi * 2, limit)
+        lo, hi = hi, min(hi * 2, answer.limit)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if probe(mid):
@@ -121,3 +129,42 @@ def replicas_needed(settings: TwinSettings, slo: Target, policy: str, limit: int
             lo = mid
     answer.replicas = hi
     return answer
+
+
+def replicas_needed(settings: TwinSettings, slo: Target, policy: str, limit: int = 64, start: int = 1,
+                    report: Callable[[Probe], None] | None = None) -> Answer:
+    """The fewest replicas (1..limit) with which `policy` meets `slo` on `settings`' workload, in the twin."""
+    _check_range(start, limit)
+    first = resolve(msgspec.structs.replace(settings, policy=policy, replicas=start))
+
+    def twin(n: int) -> tuple[list[Record], float]:
+        r = run(first if n == start else resolve(msgspec.structs.replace(settings, policy=policy, replicas=n)),
+                oracle=False)
+        return r.records, r.wall_s
+
+    return search(Answer(first.policy.name, None, first.profile.gpus_per_replica, limit), twin, slo, start, report)
+
+
+def dynamo_replicas_needed(settings: TwinSettings, slo: Target, name: str, limit: int = 64, start: int = 1,
+                           report: Callable[[Probe], None] | None = None) -> Answer:
+    """The same question asked of Dynamo's replay: `name` (a `dynamo-*` router) in front of N of its
+    mocker engines sized as the twin's replicas, on the rows a twin probe sends (ConfigError where
+    the package is missing or the settings are not a trace at its own timing)."""
+    _check_range(start, limit)
+    if name not in dynamo.MODES:
+        raise ConfigError(f"{name} is not a Dynamo replay (known: {', '.join(dynamo.MODES)})")
+    first = resolve(msgspec.structs.replace(settings, replicas=start))
+    dynamo.check(first)
+    rows = dynamo.rows_of(first)
+
+    def replay(n: int) -> tuple[list[Record], float]:
+        r = dynamo.run(first if n == start else resolve(msgspec.structs.replace(settings, replicas=n)), name, rows)
+        return r.records, r.wall_s
+
+    answer = Answer(name, None, first.profile.gpus_per_replica, limit, dynamo.source())
+    return search(answer, replay, slo, start, report)
+
+
+def _check_range(start: int, limit: int) -> None:
+    if not 1 <= start <= limit <= MAX_REPLICAS:
+        raise ConfigError(f"the replica search needs 1 <= start <= limit <= {MAX_REPLICAS} (got {start}, {limit})")

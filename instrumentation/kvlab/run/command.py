@@ -20,7 +20,7 @@ from kvlab.errors import KvlabError
 
 def fail(console: Console, command: str, message: object) -> int:
     """Print `kvlab <command>: <message>` as an error; returns the exit code 1."""
-    console.print(f"kvlab {command}: {message}", style="red", markup=False)
+    console.print(f"kvlab {command}: {message}", style="red", markup=False, soft_wrap=True)   # one line in a log
     return 1
 
 

@@ -176,7 +176,8 @@ def main(argv: list[str]) -> int:
         if replays:
             dynamo.check(first)
     except ConfigError as exc:
-        console.print(f"[red]kvlab twin:[/red] {exc}", soft_wrap=True)
+        # not markup ("kvlab[dynamo]"), and one line in a log: whole, greppable
+        console.print(f"kvlab twin: {exc}", style="red", markup=False, soft_wrap=True)
         return 2
     for line in header(first):
         console.print(line, highlight=False)
