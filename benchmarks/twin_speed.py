@@ -2,7 +2,7 @@
 
     KVLAB_TRACES_DIR=/path/to/traces .venv/bin/python benchmarks/twin_speed.py \\
         [--cases 16x10000,32x10000,64x10000,128x10000] [--policy kv-aware] [--profile h100-llama3-8b] \\
-        [--trace mooncake-conversation] [--oracle] [--before /path/to/older/checkout/instrumentation]
+        [--trace mooncake-conversation] [--time-scale 1.0] [--oracle] [--before /path/to/older/checkout/instrumentation]
 
 Each case runs in a fresh process, so its peak RSS is its own. Prints, per case, the wall and CPU time of
 the run (settings parsed and the trace read before the clock starts; with `--oracle`, the oracle's
@@ -36,7 +36,7 @@ def one(case: str, a: argparse.Namespace) -> dict[str, float]:
 
     replicas, requests = (int(x) for x in case.lower().split("x"))
     plan = resolve(TwinSettings(trace=a.trace, profile=a.profile, policy=a.policy, replicas=replicas,
-                                requests=requests, block_size=a.block_size))
+                                requests=requests, block_size=a.block_size, time_scale=a.time_scale))
     feed = Feed(plan.workload)
     start, cpu = time.perf_counter(), time.process_time()
     cluster = Cluster(plan, feed, keep_keys=a.oracle)
@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--profile", default="h100-llama3-8b")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the profile's)")
     p.add_argument("--trace", default="mooncake-conversation")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="the trace's gaps times this (0.125: 8x its rate, to load 8x the replicas)")
     p.add_argument("--oracle", action="store_true", help="also keep the keys and compute the oracle's ceiling")
     p.add_argument("--before", help="an older checkout's instrumentation directory: each case runs there first")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -84,7 +86,7 @@ def main() -> None:
     if a.one:
         print(json.dumps(one(a.one, a)))
         return
-    argv = ["--policy", a.policy, "--profile", a.profile, "--trace", a.trace]
+    argv = ["--policy", a.policy, "--profile", a.profile, "--trace", a.trace, "--time-scale", str(a.time_scale)]
     if a.block_size:
         argv += ["--block-size", str(a.block_size)]
     if a.oracle:

@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import compress, islice, repeat, takewhile
-from operator import attrgetter, is_not, not_, sub
+from operator import attrgetter, is_, is_not, not_, sub
 from typing import cast
 
 from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
@@ -114,21 +114,19 @@ class BlockPool:
 
     def cache(self, blocks: Sequence[Block], keys: Sequence[int], parent: int | None,
               token_ids: list[int], classes: Sequence[int] | None = None) -> None:
-        """Mark full blocks as cached under `keys` (chained after `parent`), one BlockStored;
-        `classes`: their retention classes (a typed pool)."""
-        cached = self._cached
-        if len(blocks) == len(keys) and not any(map(cached.__contains__, keys)):   # the usual case, in C
+        """Mark fresh full blocks (allocated, not cached yet) as cached under `keys` (chained after
+        `parent`), one BlockStored; `classes`: their retention classes (a typed pool)."""
+        # each key cached under its block unless another block holds the same content already
+        holders = list(map(self._cached.setdefault, keys, blocks))
+        if len(blocks) == len(keys) and all(map(is_, holders, blocks)):   # the usual case, in C
             stored: list[int] = list(keys)
-            cached.update(zip(stored, blocks))
             deque(map(setattr, blocks, repeat("key"), stored), maxlen=0)
         else:
             stored = []
-            for block, key in zip(blocks, keys):
-                if key in cached:  # the same content is already cached in another block
-                    continue
-                block.key = key
-                cached[key] = block
-                stored.append(key)
+            for block, key, holder in zip(blocks, keys, holders):
+                if holder is block:
+                    block.key = key
+                    stored.append(key)
         if classes is not None:
             self.classify(blocks, classes)
         if stored and self._events_on:
