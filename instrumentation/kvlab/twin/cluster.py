@@ -16,27 +16,29 @@ With chunked decoding (the policy's `chunked:`), a request generates in chunks a
 gateway's `gateway/chunked/splice.py` does: each chunk waits for a slot in its replica's
 `SlotQueue` (the live queue, on the virtual clock), then is a call to that replica with the prompt
 and the tokens generated so far, one request hop after the grant; the gateway's lease spans them all.
+
+The loop, the gateway's calls and the engines' step ends are here; the rest beside it: `feed.py`
+(the workload's prompts, tokenized), `arrivals.py` (open-loop send times), `flight.py` (a request
+from its send to its last token), `replica.py` (a replica's engine and the gateway's view of it,
+its data-parallel ranks' lockstep), `cruise.py` (identical decode steps fast-forwarded as one
+event) and `watchdog.py` (a run that stops advancing ends with an error).
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
-from kvlab.engine.sim.dp import lockstep_group
 from kvlab.engine.sim.length import too_long
-from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import FINISHED, Request
 from kvlab.engine.sim.transfer import Pull, offered, reserve
-from kvlab.errors import TwinError
 from kvlab.gateway.chunked.slots import SlotQueue, class_rank
 from kvlab.gateway.endpoints import Registry
-from kvlab.gateway.prefill import Prefill, PrefillBook
+from kvlab.gateway.prefill import PrefillBook
 from kvlab.gateway.router import Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
@@ -44,41 +46,16 @@ from kvlab.kvcache.events import Event
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
-from kvlab.load.stages import send_times
+from kvlab.twin.arrivals import arrivals
+from kvlab.twin.cruise import advance
 from kvlab.twin.feed import Feed, Prompt
-from kvlab.twin.replica import Lockstep, Replica
+from kvlab.twin.flight import Flight
+from kvlab.twin.replica import Lockstep, Replica, join_ranks
 from kvlab.twin.settings import Plan
+from kvlab.twin.watchdog import STALL_EVENTS, STALL_STEPS, Watchdog, stalled
 
 SEND, SUBMIT, STEP, EVENTS, SCRAPE, CRUISE, TRANSFER, LOCKSTEP = 0, 1, 2, 3, 4, 5, 6, 7
 _OUTPUT_TOKEN = 1000   # the id every simulated output token has (its value never matters here)
-# the watchdog: this many events in a row at one virtual instant, or this many steps in a row of
-# one replica that schedule nothing while it has work, mean the run stopped advancing
-STALL_EVENTS = 1_000_000
-STALL_STEPS = 10_000
-
-
-@dataclass(slots=True)
-class Flight:
-    """One request from its send to its last token."""
-
-    prompt: Prompt
-    sent_ms: float
-    replica: Replica
-    req: Request
-    prefill: Prefill
-    work: int
-    record: Record
-    user: int | None
-    last_ms: float = 0.0
-    gap_sum: float = 0.0           # inter-token gaps: sum, count, worst
-    gap_n: int = 0
-    gap_max: float = 0.0
-    decode: Replica | None = None  # a P/D prefill leg: the decode replica its answer goes on to
-    offered: int = 0               # a P/D decode leg: prompt blocks the prefill replica offers to pull
-    chunk: int = 0                 # chunked decoding: tokens per chunk (0: one call for the whole answer)
-    done: int = 0                  # tokens the earlier chunks generated
-    total: int = 0                 # the request's max_tokens
-    out: list[int] | None = None   # the whole answer's tokens (a chunk's call generates a slice)
 
 
 @dataclass(slots=True)
@@ -113,7 +90,7 @@ class Cluster:
                          for m in plan.members]
         self.by_name = {r.name: r for r in self.replicas}
         self.feed = feed or Feed(plan.workload)
-        self.sampler = self._lockstep(plan)
+        self.sampler = join_ranks(plan, self.replicas, self.feed.tok.tok)
         self.registry = Registry()
         self.registry.update([r.backend.endpoint for r in self.replicas])
         self.registry.replicas = {r.name: r.backend for r in self.replicas}
@@ -134,26 +111,10 @@ class Cluster:
         self._flights: dict[str, Flight] = {}
         self._pending_events: dict[str, list[Event]] = {}
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
-        self._idle: dict[Replica, tuple[int, int]] = {}   # the watchdog: (step, empty steps in a row to it)
+        self._watchdog = Watchdog(STALL_STEPS)
         self._ids = 0
         # a stepped ramp's load view at each scrape: (seconds, KV usage, waiting per replica)
         self.samples: list[tuple[float, list[float], list[float]]] = []
-
-    def _lockstep(self, plan: Plan) -> Sampler | None:
-        """Join each data-parallel (or MoE) replica's ranks in a `Lockstep` built as `kvlab engine
-        sim` builds its group; with an MoE model, the live sampler's output tokens (the experts a
-        decode token goes to depend on its id)."""
-        tok = self.feed.tok.tok
-        groups: dict[str, list[Replica]] = {}
-        for m, r in zip(plan.members, self.replicas):
-            groups.setdefault(m.replica or m.name, []).append(r)
-        moe = False
-        for ranks in groups.values():
-            lock = lockstep_group(plan.profile, plan.sim.time_scale, tok, len(ranks))
-            if lock is not None:
-                Lockstep(lock, ranks)
-                moe = moe or lock.moe is not None
-        return Sampler(tok, plan.sim.seed) if moe else None
 
     # ---- the event queues -----------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -175,7 +136,7 @@ class Cluster:
             for u in range(min(plan.users, self._left)):
                 self._next_of_user(u, 0.0)
         else:
-            self._times = self._schedule()
+            self._times = arrivals(plan)
             self._next_arrival()
         if self.info.scrape_interval_ms > 0:
             self._push(0.0, SCRAPE, None)
@@ -193,7 +154,8 @@ class Cluster:
             else:
                 same += 1
                 if same >= STALL_EVENTS:
-                    raise self._stalled(f"{same:,} events in a row at one instant")
+                    raise stalled(t, len(self._records), len(self._flights),
+                                  f"{same:,} events in a row at one instant")
             self.now_ms = t
             if kind == STEP:
                 self._step_end(obj)  # type: ignore[arg-type]
@@ -236,27 +198,6 @@ class Cluster:
         session = next(self._sessions)
         self._left -= 1
         self._push(t_s * 1000.0, SEND, (session[0], None, session[1:]))
-
-    def _schedule(self) -> Iterator[float]:
-        """Open-loop send times in seconds: the trace's own (times time_scale) or the arrival process's."""
-        plan = self.plan
-        if plan.trace_timing:
-            from kvlab.load.workloads.trace import Trace
-            assert isinstance(plan.workload, Trace)
-            # past its last row the trace starts again (as the workload's sessions do), one mean gap later
-            offsets = list(plan.workload.offsets(plan.settings.time_scale))
-            period = offsets[-1] + (offsets[-1] / max(len(offsets) - 1, 1) if len(offsets) > 1 else 1.0)
-            for n in itertools.count():
-                for t in offsets:
-                    yield n * period + t
-        if plan.stages:
-            yield from send_times(plan.stages, plan.settings.arrival, plan.settings.seed)
-            return
-        assert plan.arrival is not None
-        t = 0.0
-        for gap in plan.arrival.gaps(plan.settings.seed):
-            yield t
-            t += gap
 
     def _next_of_user(self, user: int, t_ms: float) -> None:
         """A closed-loop user sends its session's next request, or starts a new session."""
@@ -423,7 +364,9 @@ class Cluster:
         elif not self._cruise(replica):
             self._push(self.now_ms + replica.start_step(), STEP, replica)
             if not replica.batch.requests:   # type: ignore[union-attr]
-                self._idle_step(replica)
+                what = self._watchdog.idle_step(replica)   # a step that scheduled nothing
+                if what is not None:
+                    raise stalled(self.now_ms, len(self._records), len(self._flights), what)
 
     def _cruise(self, replica: Replica) -> bool:
         """Start up to k identical pure-decode steps as one event, when no request waits and every
@@ -459,48 +402,22 @@ class Cluster:
             return
         t0, dur, k = cruise
         j = min(k, int((self.now_ms - t0) / dur) + 1)
-        self._advance(replica, j, dur, t0 + j * dur)
-        replica.gen += 1   # the cruise's end event is stale now: it ends with this step
-        self._push(t0 + j * dur, CRUISE, (replica, replica.gen))
-
-    def _advance(self, replica: Replica, j: int, dur: float, end: float) -> None:
-        """What `Scheduler.schedule` and `complete` make of j pure-decode steps, at once: blocks
-        allocated, tokens counted, full blocks cached (their KV events published now)."""
-        replica.cruise = None
+        advance(replica, j, dur, t0 + j * dur, self._flights)
         self._cruising.pop(replica, None)
-        sched, pool = replica.sched, replica.pool
-        bs = pool.block_size
-        flights = self._flights
-        for req in sched.running:
-            grow = -(-(req.num_computed + j) // bs) - len(req.blocks)
-            if grow > 0:
-                new = pool.allocate(grow)
-                assert new is not None   # checked when the cruise started
-                req.blocks.extend(new)
-            before = req.num_computed // bs
-            req.num_computed += j
-            req.num_output += j
-            req.num_tokens += j
-            after = req.num_computed // bs
-            if after > before:
-                sched._cache_blocks(req, before, after)
-            f = flights[req.id]
-            f.gap_sum += j * dur
-            f.gap_n += j
-            f.gap_max = max(f.gap_max, dur)
-            f.last_ms = end
-            if req.num_output >= req.max_tokens:
-                replica.done.append(f)   # finished by the last step: ends with it
-        replica.steps += j
         if replica.events:
             self._publish(replica)
+        replica.gen += 1   # the cruise's end event is stale now: it ends with this step
+        self._push(t0 + j * dur, CRUISE, (replica, replica.gen))
 
     def _cruise_end(self, replica: Replica, gen: int) -> None:
         if gen != replica.gen:   # the end of a cruise cut short since: its own end event follows
             return
         if replica.cruise is not None:
             _, dur, k = replica.cruise
-            self._advance(replica, k, dur, self.now_ms)
+            advance(replica, k, dur, self.now_ms, self._flights)
+            self._cruising.pop(replica, None)
+            if replica.events:
+                self._publish(replica)
         replica.busy = False
         done, replica.done = replica.done, []
         for f in done:
@@ -611,7 +528,7 @@ class Cluster:
             else:
                 self._next_of_user(f.user, now)
 
-    # ---- never a hang ---------------------------------------------------------------------
+    # ---- a refused request -----------------------------------------------------------------
     def _refuse(self, prompt: Prompt, user: int | None, rest: list[Prompt], message: str) -> None:
         """vLLM's 400 for a request longer than the max model length (engine/sim/length.py): an
         error record, and its client goes on as after any answer."""
@@ -628,22 +545,6 @@ class Cluster:
             self._next_of_user(user, now + took)
         elif rest:
             self._push(now + took + rest[0].pause_s * 1000.0, SEND, (rest[0], None, rest[1:]))
-
-    def _idle_step(self, replica: Replica) -> None:
-        """A step of a replica with work scheduled nothing: many in a row are a livelock."""
-        step, n = self._idle.get(replica, (-1, 0))
-        n = n + 1 if step == replica.steps - 1 else 1
-        self._idle[replica] = (replica.steps, n)
-        if n >= STALL_STEPS:
-            sched = replica.sched
-            raise self._stalled(f"replica {replica.name} stepped {n:,} times in a row scheduling nothing, with "
-                                f"{len(sched.waiting)} waiting and {len(sched.running)} running requests and "
-                                f"{replica.pool.num_free} of {replica.pool.num_blocks} KV blocks free")
-
-    def _stalled(self, what: str) -> TwinError:
-        return TwinError(f"the twin stopped advancing at {self.now_ms / 1000.0:,.3f} s of virtual time: {what} "
-                         f"({len(self._records):,} requests finished, {len(self._flights):,} in flight). "
-                         "This is a livelock in the twin or its settings; please report it with the command")
 
 
 def _rng(plan: Plan) -> random.Random:

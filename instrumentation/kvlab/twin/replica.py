@@ -8,12 +8,14 @@ from typing import Any
 
 from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
-from kvlab.engine.sim.dp import LockstepGroup
+from kvlab.engine.sim.dp import LockstepGroup, lockstep_group
 from kvlab.engine.sim.profile import LatencyProfile
+from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.gateway.endpoints import Backend
+from kvlab.tokenizer import Tokenizer
 from kvlab.topology import SimSettings
-from kvlab.twin.settings import Member
+from kvlab.twin.settings import Member, Plan
 
 
 class Replica:
@@ -43,7 +45,7 @@ class Replica:
         self.batch: Batch | None = None
         self.cruise: tuple[float, float, int] | None = None   # (start ms, step ms, steps) of a decode cruise
         self.gen = 0                       # which cruise end event is current
-        self.done: list[Any] = []          # flights a fast-forwarded decode run finishes (cluster.py)
+        self.done: list[Any] = []          # flights a decode cruise finishes (cruise.py)
         self.steps = 0
         self.group: Lockstep | None = None   # the ranks it steps with, if any
 
@@ -87,3 +89,19 @@ class Lockstep:
             r.steps += 1
             batches.append(b)
         return self.group.cost(batches) * self.group.time_scale
+
+
+def join_ranks(plan: Plan, replicas: list[Replica], tok: Tokenizer) -> Sampler | None:
+    """Join each data-parallel (or MoE) replica's ranks in a `Lockstep` built as `kvlab engine
+    sim` builds its group; with an MoE model, the live sampler's output tokens (the experts a
+    decode token goes to depend on its id)."""
+    groups: dict[str, list[Replica]] = {}
+    for m, r in zip(plan.members, replicas):
+        groups.setdefault(m.replica or m.name, []).append(r)
+    moe = False
+    for ranks in groups.values():
+        lock = lockstep_group(plan.profile, plan.sim.time_scale, tok, len(ranks))
+        if lock is not None:
+            Lockstep(lock, ranks)
+            moe = moe or lock.moe is not None
+    return Sampler(tok, plan.sim.seed) if moe else None
