@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.contract import Endpoint
 
@@ -42,10 +42,10 @@ class Backend:
     # unchecked | match | tokenizer-mismatch | unverified | engine (gateway/parity.py)
     tokenizer: str = "unchecked"
     tokenizer_detail: str | None = None
+    name: str = field(init=False)       # the endpoint's (read for every candidate of every request)
 
-    @property
-    def name(self) -> str:
-        return self.endpoint.name
+    def __post_init__(self) -> None:
+        self.name = self.endpoint.name
 
     @property
     def url(self) -> str:

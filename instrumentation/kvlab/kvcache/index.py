@@ -29,7 +29,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from itertools import accumulate, compress, repeat, takewhile
+from itertools import accumulate, compress, islice, repeat, takewhile
 from operator import and_, is_not, not_, or_
 from typing import cast
 
@@ -118,14 +118,18 @@ class BlockTable:
                 held = map(or_, held, map(spec.get, keys, repeat(0)))
             if cpu:
                 held = map(or_, held, map(cpu.get, keys, repeat(0)))
-            # the replicas still matching after each key, in C; as sets they only shrink, so a
-            # replica's depth is how many of them hold its bit (less the group itself, first)
+            # the replicas still matching after each key, in C; as sets they only shrink, so the
+            # distinct sets come in order, each a run of keys: a replica's depth is the keys up to
+            # the run after which its bit is gone (less the group itself, first)
             runs = Counter(takewhile(bool, accumulate(held, and_, initial=group)))
-            alive = group
-            while alive:
-                low = alive & -alive
-                out[by_bit[low]] = (sum(n for m, n in runs.items() if m & low) - 1) * bs
-                alive ^= low
+            depth = -1
+            for alive, after in zip(runs, [*islice(runs, 1, None), 0]):
+                depth += runs[alive]
+                gone = alive & ~after
+                while gone:
+                    low = gone & -gone
+                    out[by_bit[low]] = depth * bs
+                    gone ^= low
         return out
 
 
