@@ -139,14 +139,16 @@ async def run(url: str, ports: dict[str, int], streams: int, max_tokens: int) ->
                 if h.status == 200:
                     break
             await asyncio.sleep(0.5)
+        # each replica's process group, found before any stream starts: scanning every process's
+        # sockets takes seconds on a busy machine, long enough for the streams to end first
+        groups = {name: os.getpgid(listener(port)) for name, port in ports.items()}
         opened = [asyncio.Event() for _ in range(streams)]
         tasks = [asyncio.create_task(stream(s, url, body(i), e)) for i, e in enumerate(opened)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), 300)
         eps = {r["name"]: r["load"]["inflight"]
                for r in (await (await s.get(url + "/debug/endpoints")).json())["replicas"]}
         victim = max(eps, key=lambda n: eps[n])
-        pid = listener(ports[victim])
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        os.killpg(groups[victim], signal.SIGKILL)
         results = await asyncio.gather(*tasks)
         # the uninterrupted greedy answers, from the survivor
         reference = [await stream(s, url, body(i), asyncio.Event()) for i in range(streams)]
