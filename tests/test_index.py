@@ -116,3 +116,52 @@ def test_many_replicas_bits_are_reused():
     keys = {BS: block_keys(prompt, BS)}
     m = idx.match(keys, {f"r{i}": BS for i in range(70)})
     assert all(m[f"r{i}"] == (0 if i % 2 else BS) for i in range(70))
+
+
+def test_engine_keys_take_the_events_hashes_as_keys():
+    """The twin's engines hash with the gateway's family: with `engine_keys` the index keys a
+    BlockStored by its hashes (its token ids are not re-hashed), parents and removals alike."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(2000) for _ in range(6 * BS)]
+    ours = block_keys(prompt, BS)
+    keys = {BS: ours}
+    idx = PreciseIndex(engine_keys=True)
+    other = [t + 1 for t in prompt]     # token ids that would hash elsewhere: only the hashes count
+    idx.apply("a", [BlockStored(block_hashes=ours[:3], parent_block_hash=None, token_ids=other[:3 * BS],
+                                block_size=BS),
+                    BlockStored(block_hashes=ours[3:], parent_block_hash=ours[2], token_ids=other[3 * BS:],
+                                block_size=BS)])
+    assert idx.match(keys, {"a": BS})["a"] == 6 * BS and idx.blocks("a") == 6
+    idx.apply("a", [BlockRemoved(block_hashes=[ours[4]])])
+    assert idx.match(keys, {"a": BS})["a"] == 4 * BS
+    # the live gateway's index re-keys from the token ids, so the same events match nothing
+    live = PreciseIndex()
+    live.apply("a", [BlockStored(block_hashes=ours, parent_block_hash=None, token_ids=other, block_size=BS)])
+    assert live.match(keys, {"a": BS})["a"] == 0
+
+
+def test_a_router_without_fallback_learns_only_replicas_off_the_precise_index():
+    """`fallback=False` (the twin, whose event streams never go stale): a replica on the precise
+    index is not learned by the approximate one; a replica whose feed is not live still is."""
+    from kvlab.gateway.config import load_policy
+    from kvlab.gateway.endpoints import Registry
+    from kvlab.gateway.router import Router
+    from kvlab.gateway.scheduler import presets
+
+    cfg = load_policy("kv-aware")
+    prompt = list(range(1, 1 + 8 * BS))
+    learned = {}
+    for fallback in (True, False):
+        reg = Registry()
+        reg.update([Endpoint(name="a", url="http://a"), Endpoint(name="b", url="http://b")])
+        for r in reg.replicas.values():
+            r.block_size = BS
+        reg.replicas["a"].events_state, reg.replicas["b"].events_state = "live", "connecting"
+        approx = ApproximateIndex()
+        router = Router(cfg, reg, PreciseIndex(cfg.index.speculative_ttl_s), approx, presets.build(cfg),
+                        fallback=fallback)
+        for r in reg.replicas.values():
+            router.learn(r, {BS: block_keys(prompt, BS)})
+        learned[fallback] = {n: approx.blocks(n) for n in ("a", "b")}
+    assert learned[True] == {"a": 8, "b": 8}
+    assert learned[False] == {"a": 0, "b": 8}
