@@ -14,6 +14,7 @@ import msgspec
 
 from kvlab.config import Strict, convert
 from kvlab.errors import ConfigError
+from kvlab.gateway.scheduler.base import Picker
 from kvlab.gateway.scheduler.max_score import MaxScore
 from kvlab.gateway.scheduler.random_choice import RandomChoice
 from kvlab.gateway.scheduler.registry import plugin
@@ -23,29 +24,23 @@ class PickerParams(Strict, frozen=True, rename="camel"):
     max_num_of_endpoints: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
-def _params(name: str, parameters: dict[str, Any]) -> PickerParams:
-    p = convert(parameters, PickerParams, f"plugin {name} parameters")
-    if p.max_num_of_endpoints != 1:
-        raise ConfigError(f"plugin {name}: kvlab picks one endpoint "
-                          f"(maxNumOfEndpoints 1, got {p.max_num_of_endpoints})")
-    return p
+class _OneEndpoint(Picker):
+    """An upstream picker's parameters: `maxNumOfEndpoints` must be 1 (kvlab picks one endpoint)."""
+
+    @classmethod
+    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
+        p = convert(parameters, PickerParams, f"plugin {cls.name} parameters")
+        if p.max_num_of_endpoints != 1:
+            raise ConfigError(f"plugin {cls.name}: kvlab picks one endpoint "
+                              f"(maxNumOfEndpoints 1, got {p.max_num_of_endpoints})")
+        return cls(rng)
 
 
 @plugin
-class MaxScorePicker(MaxScore):
+class MaxScorePicker(_OneEndpoint, MaxScore):
     name = "max-score-picker"
 
-    @classmethod
-    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
-        _params(cls.name, parameters)
-        return cls(rng)
-
 
 @plugin
-class RandomPicker(RandomChoice):
+class RandomPicker(_OneEndpoint, RandomChoice):
     name = "random-picker"
-
-    @classmethod
-    def from_epp(cls, parameters: dict[str, Any], rng: random.Random) -> Self:
-        _params(cls.name, parameters)
-        return cls(rng)
