@@ -3,7 +3,9 @@
 - kv-aware keeps each shared-prefix group on one replica, the busiest replica serves at most
   1.5x the mean, and delivered/predicted >= 0.9 once warm;
 - round-robin still computes available/predicted in shadow and leaves cache on the table;
-- spans: one trace id from the client through the gateway to the replica's engine span;
+- spans: one trace id from the client through the gateway to the replica's engine span; a client
+  that goes away (waiting for the replica's headers, or mid-stream) ends the gateway's request and
+  upstream spans as errors of type client_disconnected, never as finished requests;
 - failures: a replica killed mid-run: streaming requests on it end with an error event, requests
   not yet streaming are retried and succeed, the gateway keeps serving.
 """
@@ -144,7 +146,7 @@ class InProcessGateway:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def __aenter__(self):
-        self.runner = web.AppRunner(self.gw.app(), access_log=None)
+        self.runner = self.gw.runner()    # the server settings `kvlab gateway` runs with
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
         await self.gw.ready.wait()
@@ -348,3 +350,60 @@ def test_kill_replica_mid_run(tmp_path, otlp):
     finally:
         for p in procs:
             stop(p)
+
+
+@pytest.mark.parametrize("when", ["before-headers", "mid-stream"])
+def test_a_client_that_goes_away_ends_the_spans_as_disconnected(spans, when):
+    """A replica that never finishes (before its headers, or after one streamed event); the client
+    drops its request: the gateway's request span and its upstream call end as errors."""
+    called = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        called.set()
+        if when == "mid-stream":
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b'data: {"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with InProcessGateway("round-robin", [Endpoint(name="slow", url=f"http://127.0.0.1:{port}")]) as g:
+                tracer = trace.get_tracer("test-client")
+                with tracer.start_as_current_span(names.SPAN_CLIENT_REQUEST) as client_span:
+                    headers: dict[str, str] = {}
+                    propagate.inject(headers)
+                    req = asyncio.create_task(g.chat("x", "y", stream=True, max_tokens=50, headers=headers))
+                    await asyncio.wait_for(called.wait(), 10)
+                    if when == "mid-stream":
+                        await asyncio.sleep(0.2)   # the event is relayed
+                    req.cancel()
+                    await asyncio.gather(req, return_exceptions=True)
+                trace_id = client_span.get_span_context().trace_id
+                for _ in range(200):   # the gateway's handler is cancelled once it sees the connection go
+                    if any(span_role(s) == names.SPAN_GATEWAY_REQUEST and s.context.trace_id == trace_id
+                           for s in spans.get_finished_spans()):
+                        return trace_id
+                    await asyncio.sleep(0.05)
+                raise AssertionError("the gateway's request span never ended")
+        finally:
+            await runner.cleanup()
+
+    spans.clear()
+    trace_id = asyncio.run(asyncio.wait_for(go(), 60))
+    mine = {span_role(s): s for s in spans.get_finished_spans() if s.context.trace_id == trace_id}
+    for role in (names.SPAN_GATEWAY_REQUEST, names.SPAN_UPSTREAM):
+        s = mine[role]
+        assert s.status.status_code == trace.StatusCode.ERROR, (role, s.status)
+        assert s.attributes.get(names.ERROR_TYPE) == "client_disconnected", (role, dict(s.attributes))

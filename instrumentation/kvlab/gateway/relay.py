@@ -117,12 +117,7 @@ class Relay:
             if broken is None and not (prog.done or prog.finished):
                 broken = Broken("ended", f"{r.name} ended the stream before a finish reason", r)
         except (ConnectionResetError, asyncio.CancelledError):
-            # the client went away: closing the upstream response aborts the generation there
-            self.metrics.requests.labels(r.name, self.policy, "499").inc()
-            resp.close()
-            for span in (at.span, ex.span):   # OTel leaves a span a CancelledError ends unmarked
-                span.set_status(Status(StatusCode.ERROR, "client disconnected"))
-                span.set_attribute(names.ERROR_TYPE, "client_disconnected")   # as the simulator says it
+            resp.close()   # the client went away: closing the upstream response aborts the generation there
             raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream"

@@ -347,10 +347,15 @@ class Gateway:
                 span.set_attribute(names.HTTP_RESPONSE_STATUS_CODE, 503)
                 return upstream_error(str(err), 503)
             ex.ask_usage()
-            if ex.chunk_tokens:   # chunked decoding replaces P/D and retries for this request
-                return await self._chunked(request, ex)
-            prefilled = await self.pd.run(ex)
-            return await self._serve(request, ex, names.SPAN_DECODE_CALL if prefilled else names.SPAN_UPSTREAM)
+            try:
+                if ex.chunk_tokens:   # chunked decoding replaces P/D and retries for this request
+                    return await self._chunked(request, ex)
+                prefilled = await self.pd.run(ex)
+                return await self._serve(request, ex, names.SPAN_DECODE_CALL if prefilled else names.SPAN_UPSTREAM)
+            except (ConnectionResetError, asyncio.CancelledError):
+                genai.client_gone(span)
+                self.metrics.requests.labels(ex.served.name if ex.served else "", self.policy, "499").inc()
+                raise
 
     async def _serve(self, request: web.Request, ex: Exchange, name: str) -> web.StreamResponse:
         """Call the ranked replicas and relay the answer; a replica that fails mid-way is replaced by

@@ -169,6 +169,9 @@ class Upstream:
                         raise
                     finally:
                         resp.release()
+                except (ConnectionResetError, asyncio.CancelledError):
+                    genai.client_gone(up)   # waiting for headers, or relaying the answer
+                    raise
                 finally:
                     lease.release()
         return failure

@@ -401,7 +401,9 @@ def kv_event_gap(replay: bool, resync_s: float = 0.5, block_size: int = 16, lost
         endpoint = f"tcp://{HOST}:{free_port()}"
         pub = EventPublisher(endpoint, bind=True, replay=f"tcp://{HOST}:*" if replay else None)
         precise, approx = PreciseIndex(), ApproximateIndex()
-        feed = EventFeed(precise, approx, resync_s=resync_s)
+        gap_seen: list[float] = []     # when the feed went stale: the resync clock starts there
+        feed = EventFeed(precise, approx, resync_s=resync_s,
+                         on_batch=lambda _r, rec: gap_seen.append(time.monotonic()) if rec.gap else None)
         r = Backend(Endpoint(name="a", url="http://x", kv_events=endpoint, kv_replay=pub.replay_endpoint))
 
         def known() -> int:
@@ -439,7 +441,8 @@ def kv_event_gap(replay: bool, resync_s: float = 0.5, block_size: int = 16, lost
                 await asyncio.sleep(0.05)
                 if time.monotonic() - t_stale > 5 * resync_s + 2:
                     raise TimeoutError("the replica's events were never trusted again")
-            out["stale_s"] = round(time.monotonic() - t_stale, 2) if out["state_after_gap"] == "stale" else 0.0
+            stale = out["state_after_gap"] == "stale" and gap_seen
+            out["stale_s"] = round(time.monotonic() - gap_seen[0], 2) if stale else 0.0
             return out
         finally:
             task.cancel()

@@ -11,6 +11,7 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from kvlab.telemetry import names
 
@@ -42,3 +43,10 @@ def call_of(request_span: trace.Span, role: str, url: str) -> tuple[str, dict[st
     operation = attrs.get(names.GEN_AI_OPERATION_NAME)
     return (names.genai_span_name(operation, attrs.get(names.GEN_AI_REQUEST_MODEL))
             if isinstance(operation, str) else role), attrs
+
+
+def client_gone(span: trace.Span) -> None:
+    """Mark `span` ended by the client going away: OTel leaves a span that a CancelledError ends
+    unmarked, and a readers' "ok" span must be one that finished."""
+    span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+    span.set_attribute(names.ERROR_TYPE, "client_disconnected")

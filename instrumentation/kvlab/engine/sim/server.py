@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.protocol import (
@@ -368,8 +368,7 @@ class Api:
                 span.set_attribute(names.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, (req.t_first_token - req.t_arrival) / 1e9)
             span.set_attributes(self._vllm_attrs(req, body))
             if status != 200:
-                span.set_attribute(names.ERROR_TYPE, "client_disconnected")
-                span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+                genai.client_gone(span)
             params = body.kv_transfer_params
             if params is not None and (params.do_remote_decode or params.do_remote_prefill):
                 span.set_attribute(names.PD_ROLE, "prefill" if params.do_remote_decode else "decode")
