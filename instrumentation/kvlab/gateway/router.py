@@ -118,15 +118,19 @@ class Router:
         approx_sizes = {n: bs for n, bs in sizes.items() if n not in precise_sizes}
         cpu = self.cfg.index.tiers.cpu > 0     # CPU-tier blocks count as held (scored lower: docs/tiered.md)
         prefix = self.precise.match(keys_by_size, precise_sizes, offloaded=cpu) if precise_sizes else {}
-        confirmed = (self.precise.match(keys_by_size, precise_sizes, speculative=False, offloaded=cpu)
-                     if precise_sizes else {})
+        # the confirmed part, looked up only where it can differ: a matched prefix on a replica
+        # holding speculative blocks (at 128 replicas most hold no prefix of a given prompt)
+        unsure = {n: bs for n, bs in precise_sizes.items()
+                  if prefix[n] and self.precise.speculative_blocks(n, expire=False)}
+        confirmed = self.precise.match(keys_by_size, unsure, speculative=False, offloaded=cpu) if unsure else {}
         if approx_sizes:
             prefix.update(self.approx.match(keys_by_size, approx_sizes))
-        speculative = {}
+        speculative = dict.fromkeys(prefix, 0)
         for name, tokens in prefix.items():
-            bs = sizes[name]
-            prefix[name] = min(tokens, max(n_tokens - 1, 0) // bs * bs)
-            speculative[name] = max(prefix[name] - confirmed.get(name, prefix[name]), 0)
+            if tokens:
+                bs = sizes[name]
+                prefix[name] = capped = min(tokens, max(n_tokens - 1, 0) // bs * bs)
+                speculative[name] = max(capped - confirmed.get(name, capped), 0)
         return prefix, speculative, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
     def learn(self, r: Backend, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:

@@ -26,11 +26,12 @@ reachable through the CPU tier.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
+from bisect import bisect_right
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from itertools import accumulate, compress, islice, repeat, takewhile
-from operator import and_, is_not, not_, or_
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, is_not, neg, not_, or_
 from typing import cast
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -118,17 +119,18 @@ class BlockTable:
                 held = map(or_, held, map(spec.get, keys, repeat(0)))
             if cpu:
                 held = map(or_, held, map(cpu.get, keys, repeat(0)))
-            # the replicas still matching after each key, in C; as sets they only shrink, so the
-            # distinct sets come in order, each a run of keys: a replica's depth is the keys up to
-            # the run after which its bit is gone (less the group itself, first)
-            runs = Counter(takewhile(bool, accumulate(held, and_, initial=group)))
-            depth = -1
-            for alive, after in zip(runs, [*islice(runs, 1, None), 0]):
-                depth += runs[alive]
-                gone = alive & ~after
+            # the replicas still matching after each key, in C (the group itself first). As sets
+            # they only shrink, so as numbers they never grow: each set's run ends where a binary
+            # search finds the first smaller one, and the replicas gone then matched the keys before
+            alive = list(takewhile(bool, accumulate(held, and_, initial=group)))
+            n, i = len(alive), 0
+            while i < n:
+                now = alive[i]
+                i = bisect_right(alive, -now, i + 1, n, key=neg)   # the first set smaller than `now`
+                gone = now & ~alive[i] if i < n else now
                 while gone:
                     low = gone & -gone
-                    out[by_bit[low]] = depth * bs
+                    out[by_bit[low]] = (i - 1) * bs
                     gone ^= low
         return out
 
@@ -162,8 +164,11 @@ class PreciseIndex:
     def cpu_blocks(self, replica: str) -> int:
         return len(self._offloaded.get(replica, ()))
 
-    def speculative_blocks(self, replica: str) -> int:
-        self.expire()
+    def speculative_blocks(self, replica: str, expire: bool = True) -> int:
+        """Blocks `replica` holds only provisionally; `expire=False`: as of the last expiry (a
+        lookup just made one)."""
+        if expire:
+            self.expire()
         return len(self._spec.get(replica, ()))
 
     def total_blocks(self) -> int:
