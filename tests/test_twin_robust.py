@@ -1,5 +1,6 @@
 """The twin on any input: requests over the max model length are 400s, sizes no engine would start
-are refused, a livelock ends with an error, a stopped run writes what had finished (all virtual time)."""
+are refused, a livelock ends with an error, a stopped run writes what had finished (all virtual time);
+policies run side by side in processes of their own give the same figures and stop the same ways."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.errors import TwinError
 from kvlab.load.summary import read_summary
-from kvlab.twin import cli, cluster
+from kvlab.twin import cli, cluster, workers
 from kvlab.twin.progress import RunProgress
-from kvlab.twin.runner import Stopped, run
+from kvlab.twin.runner import Stopped, plans, run
 from kvlab.twin.settings import TwinSettings, resolve
 
 
@@ -71,27 +72,90 @@ def test_the_watchdog_ends_a_livelock_with_an_error(monkeypatch, tmp_path, capsy
     assert "the twin stopped advancing" in err and "Traceback" not in err
 
 
-def test_sigterm_writes_what_had_finished_marked_partial(monkeypatch, tmp_path):
+def _sigterm_once(monkeypatch, when) -> None:
+    """SIGTERM this process once `when(reports)` holds; `reports`: policy -> requests done, as the
+    progress bars are told (in this process, also for runs side by side)."""
     task = RunProgress.task
+    reports: dict[str, int] = {}
 
-    def kill_at_20(self, name, total):
+    def patched(self, name, total):
         update = task(self, name, total)
 
         def wrapped(done, virtual_s):
             update(done, virtual_s)
-            if done == 20:
+            if reports.get("sent"):
+                return
+            reports[name] = done
+            if when(reports):
+                reports["sent"] = 1
                 os.kill(os.getpid(), signal.SIGTERM)
         return wrapped
 
-    monkeypatch.setattr(RunProgress, "task", kill_at_20)
+    monkeypatch.setattr(RunProgress, "task", patched)
+
+
+def test_sigterm_writes_what_had_finished_marked_partial(monkeypatch, tmp_path):
+    _sigterm_once(monkeypatch, lambda reports: reports.get("round-robin") == 20)
     out = tmp_path / "run"
-    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "200",
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "200", "--jobs", "1",
                      "--run-dir", str(out)]) == 143
     s = read_summary(out / "round-robin" / "summary.json")
     assert s.partial and 20 <= s.requests < 200
     assert len((out / "round-robin" / "requests.jsonl").read_text().splitlines()) == s.requests
     assert not (out / "kv-aware").exists()       # never started
     assert signal.getsignal(signal.SIGTERM) is not None and (out / "compare.json").exists()
+
+
+def test_policies_side_by_side_give_the_figures_of_one_after_another(tmp_path):
+    args = ["--policies", "round-robin,kv-aware,prefix", "--replicas", "4", "--requests", "150"]
+    assert cli.main([*args, "--jobs", "1", "--run-dir", str(tmp_path / "one")]) == 0
+    assert cli.main([*args, "--jobs", "2", "--run-dir", str(tmp_path / "two")]) == 0   # the third waits its turn
+    for policy in ("round-robin", "kv-aware", "prefix"):
+        one = (tmp_path / "one" / policy / "requests.jsonl").read_text()
+        assert one and one == (tmp_path / "two" / policy / "requests.jsonl").read_text()
+    tables = [json.loads((tmp_path / d / "compare.json").read_text())["workloads"] for d in ("one", "two")]
+    assert tables[0] == tables[1]
+    [section] = tables[1].values()
+    assert [r["router"] for r in section["routers"]] == ["round-robin", "kv-aware", "prefix"]   # as asked
+
+
+def test_sigterm_stops_every_policy_running_side_by_side_and_writes_their_parts(monkeypatch, tmp_path):
+    _sigterm_once(monkeypatch, lambda reports: min(reports.get("round-robin", 0), reports.get("kv-aware", 0)) >= 20)
+    out = tmp_path / "run"
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "4000", "--jobs", "2",
+                     "--run-dir", str(out)]) == 143
+    for policy in ("round-robin", "kv-aware"):
+        s = read_summary(out / policy / "summary.json")
+        assert s.partial and 0 < s.requests < 4000
+        assert len((out / policy / "requests.jsonl").read_text().splitlines()) == s.requests
+    assert (out / "compare.json").exists()
+
+
+def test_a_policy_whose_process_dies_is_named_and_the_others_are_written(monkeypatch, tmp_path, capsys):
+    real = workers.run
+
+    def dies_on_kv_aware(plan, **kwargs):
+        if plan.policy.name == "kv-aware":
+            os._exit(9)   # as the kernel's OOM killer would leave it: no result, no traceback
+        return real(plan, **kwargs)
+
+    monkeypatch.setattr(workers, "run", dies_on_kv_aware)
+    out = tmp_path / "run"
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "40", "--jobs", "2",
+                     "--run-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "the kv-aware run ended without a result (exit code 9)" in err
+    assert read_summary(out / "round-robin" / "summary.json").requests == 40 and not (out / "kv-aware").exists()
+
+
+def test_a_bug_in_a_policy_run_side_by_side_raises_with_its_traceback(monkeypatch):
+    def broken(plan, **kwargs):
+        raise ValueError(f"no such thing in {plan.policy.name}")
+
+    monkeypatch.setattr(workers, "run", broken)
+    todo = plans(TwinSettings(replicas=2, requests=10), ["round-robin", "kv-aware"])
+    with pytest.raises(RuntimeError, match=r"(?s)run failed:.*ValueError: no such thing in"):
+        workers.run_all(todo, False, lambda plan: lambda n, v: None, 2)
 
 
 def test_the_table_stays_whole_in_80_columns_of_a_log(tmp_path, capsys):

@@ -6,7 +6,9 @@
     kvlab twin --trace mooncake-conversation --profile h100-llama3-8b --block-size 64 \
         --policies round-robin,kv-aware,dynamo-round-robin,dynamo-kv-router   # + Dynamo's own replay (twin/dynamo.py)
 
-Settings are checked before anything runs (unknown topology, policy, profile, workload or trace
+Policies run side by side, one process each (`--jobs`, default one per core up to 4): a run is one
+core's work, so two policies on two cores take about as long as the slower one. Settings are
+checked before anything runs (unknown topology, policy, profile, workload or trace
 line; replicas outside 1-128; a max model length over the KV cache). A request longer than the max
 model length is answered 400, as vLLM answers it; Ctrl-C or SIGTERM writes what had finished
 (summaries marked partial). Writes runs/<id>-twin/: per policy summary.json and requests.jsonl,
@@ -35,8 +37,9 @@ from kvlab.load.stages import parse
 from kvlab.twin import dynamo, output
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
-from kvlab.twin.runner import Interrupt, Stopped, TwinResult, plans, run
+from kvlab.twin.runner import Interrupt, TwinResult, plans
 from kvlab.twin.settings import Plan, TwinSettings
+from kvlab.twin.workers import default_jobs, run_all
 
 # flag -> Information field
 _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after the engine step (ms)",
@@ -88,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--perfect", action="store_true", help="the router sees everything at once (upper bound)")
     for name, help_ in _INFO_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, metavar="N", help=help_)
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="policies run side by side, one process each, N at a time (default: one per core, at most "
+                        "4; 1: one after another in this process; each run holds its own memory)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle's ceiling (saves memory at scale)")
     p.add_argument("--run-dir", metavar="DIR", help="where the run is written (default runs/<time>-twin)")
     p.add_argument("--out", dest="run_dir", help=argparse.SUPPRESS)   # the old name
@@ -181,25 +187,15 @@ def main(argv: list[str]) -> int:
         return 2
     for line in header(first):
         console.print(line, highlight=False)
-    results: list[TwinResult] = []
-    stopped: Stopped | None = None
     with _sigterm_interrupts(), RunProgress(console) as bar:
-        for plan in todo:
-            try:
-                results.append(run(plan, oracle=not args.no_oracle,
-                                   progress=bar.task(plan.policy.name, plan.settings.requests)))
-            except Stopped as exc:
-                results.append(exc.result)
-                stopped = exc
-                break
-    if results and not results[-1].records:
-        results.pop()
-    if not results and (stopped is not None or not replays):
-        console.print(f"[red]kvlab twin:[/red] {stopped.why if stopped else 'nothing ran'}; nothing finished",
-                      soft_wrap=True)
+        ran = run_all(todo, not args.no_oracle, lambda plan: bar.task(plan.policy.name, plan.settings.requests),
+                      args.jobs if args.jobs is not None else default_jobs())
+    results = [r for r in ran.results if r.records]
+    if not results and (ran.why is not None or not replays):
+        console.print(f"[red]kvlab twin:[/red] {ran.why or 'nothing ran'}; nothing finished", soft_wrap=True)
         return 1
     peers = []
-    if stopped is None:
+    if ran.why is None:
         for name in replays:
             with console.status(f"{name}: Dynamo's replay of {first.settings.requests} requests"):
                 peers.append(dynamo.run(first, name))
@@ -220,10 +216,10 @@ def main(argv: list[str]) -> int:
                       "Dynamo's replay", highlight=False)
     source = "the twin; the (peer) rows from Dynamo's replay" if peers else "the twin"
     console.print(f"[green]wrote[/green] {pages['report']} and {pages['compare']} (figures from {source})")
-    if stopped is not None:
-        console.print(f"[red]kvlab twin:[/red] {stopped.why}; wrote what had finished (summary marked partial)",
+    if ran.why is not None:
+        console.print(f"[red]kvlab twin:[/red] {ran.why}; wrote what had finished (summary marked partial)",
                       soft_wrap=True)
-        cause = stopped.__cause__
+        cause = ran.cause
         return 130 if isinstance(cause, KeyboardInterrupt) else 143 if isinstance(cause, Interrupt) else 1
     return 0
 
