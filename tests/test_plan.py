@@ -56,6 +56,15 @@ def test_the_command_prints_each_probe_and_writes_the_answer_and_its_figure(tmp_
     doc = json.loads((out / "plan.json").read_text())
     assert doc["answers"]["round-robin"]["replicas"] == 4
     assert "plotly" in (out / "plan.html").read_text()
+    # the two searches ran side by side (two cores or more); one after the other, the same probes
+    assert cli.main(["--trace", _trace(tmp_path, 3.5, 60), "--requests", "60", "--profile", "cpu-tiny",
+                     "--policies", "round-robin,least-load", "--ttft-p90-ms", str(1.5 * _step_ms()),
+                     "--max-replicas", "8", "--jobs", "1", "--run-dir", str(tmp_path / "one")]) == 0
+    one = json.loads((tmp_path / "one" / "plan.json").read_text())
+
+    def judged(d):
+        return {k: [{f: v for f, v in p.items() if f != "wall_s"} for p in a["probes"]] for k, a in d["answers"].items()}
+    assert list(doc["answers"]) == ["round-robin", "least-load"] and judged(doc) == judged(one)
 
 
 def test_a_bad_slo_is_refused(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.errors import TwinError
 from kvlab.load.summary import read_summary
-from kvlab.twin import cli, cluster, workers
+from kvlab.twin import cli, cluster, runner
 from kvlab.twin.progress import RunProgress
 from kvlab.twin.runner import Stopped, plans, run
 from kvlab.twin.settings import TwinSettings, resolve
@@ -70,6 +70,11 @@ def test_the_watchdog_ends_a_livelock_with_an_error(monkeypatch, tmp_path, capsy
     assert cli.main(["--replicas", "2", "--requests", "10", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "the twin stopped advancing" in err and "Traceback" not in err
+    # side by side, two at a time: both stop, and the third policy never starts (nor hangs the command)
+    out = tmp_path / "three"
+    assert cli.main(["--replicas", "2", "--requests", "10", "--policies", "round-robin,kv-aware,prefix",
+                     "--jobs", "2", "--run-dir", str(out)]) == 1
+    assert "the twin stopped advancing" in capsys.readouterr().err and not (out / "prefix").exists()
 
 
 def _sigterm_once(monkeypatch, when) -> None:
@@ -132,14 +137,14 @@ def test_sigterm_stops_every_policy_running_side_by_side_and_writes_their_parts(
 
 
 def test_a_policy_whose_process_dies_is_named_and_the_others_are_written(monkeypatch, tmp_path, capsys):
-    real = workers.run
+    real = runner.run
 
     def dies_on_kv_aware(plan, **kwargs):
         if plan.policy.name == "kv-aware":
             os._exit(9)   # as the kernel's OOM killer would leave it: no result, no traceback
         return real(plan, **kwargs)
 
-    monkeypatch.setattr(workers, "run", dies_on_kv_aware)
+    monkeypatch.setattr(runner, "run", dies_on_kv_aware)
     out = tmp_path / "run"
     assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "40", "--jobs", "2",
                      "--run-dir", str(out)]) == 1
@@ -152,10 +157,10 @@ def test_a_bug_in_a_policy_run_side_by_side_raises_with_its_traceback(monkeypatc
     def broken(plan, **kwargs):
         raise ValueError(f"no such thing in {plan.policy.name}")
 
-    monkeypatch.setattr(workers, "run", broken)
+    monkeypatch.setattr(runner, "run", broken)
     todo = plans(TwinSettings(replicas=2, requests=10), ["round-robin", "kv-aware"])
-    with pytest.raises(RuntimeError, match=r"(?s)run failed:.*ValueError: no such thing in"):
-        workers.run_all(todo, False, lambda plan: lambda n, v: None, 2)
+    with pytest.raises(RuntimeError, match=r"(?s)the round-robin run failed:.*ValueError: no such thing in round-robin"):
+        runner.run_all(todo, False, lambda plan: lambda n, v: None, 2)
 
 
 def test_the_table_stays_whole_in_80_columns_of_a_log(tmp_path, capsys):

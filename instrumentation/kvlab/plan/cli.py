@@ -5,7 +5,8 @@
     kvlab plan --trace mooncake-conversation --policies round-robin,kv-aware,dynamo-kv-router   # + Dynamo's answer
 
 Each policy's fewest replicas come from twin runs (docs/twin.md, "How many replicas?"): doubling
-from --start until the SLO is met, then bisecting; each probe is printed as it finishes. The SLO
+from --start until the SLO is met, then bisecting; each probe is printed as it finishes. kvlab's
+policies are searched side by side, one process each (--jobs, as kvlab twin). The SLO
 (defaults: TTFT p90 <= 2,000 ms and TPOT p90 <= 100 ms, over every request, errors as misses) may
 add a TTFT p99 bound and a goodput share (requests meeting both per-request bounds). Writes
 runs/<time>-plan/: plan.json and plan.html (goodput against replicas per policy). Figures are
@@ -29,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.config import convert
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, TwinError
 from kvlab.plan.search import Answer, Probe, Target, dynamo_replicas_needed, replicas_needed
 from kvlab.run.command import fail
 from kvlab.twin import dynamo
@@ -37,6 +38,7 @@ from kvlab.twin.cli import policies_of
 from kvlab.twin.fit import describe
 from kvlab.twin.runner import Stopped
 from kvlab.twin.settings import TwinSettings, resolve
+from kvlab.twin.workers import Report, default_jobs, side_by_side, stopped_by
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
 DEFAULT_REQUESTS = 300   # the conversation trace's first ~90 s: both policies answered in minutes on 2 cores
@@ -72,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=64, metavar="N", help="most replicas tried (default 64)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="seed of the workload, arrivals and engines (default 0)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="policies searched side by side, one process each, N at a time (default: one per core, "
+                        "at most 4; 1: one after another in this process)")
     p.add_argument("--run-dir", metavar="DIR", help="where plan.json and plan.html go (default runs/<time>-plan)")
     return p
 
@@ -193,17 +198,17 @@ def main(argv: list[str]) -> int:
         console.print(f"{', '.join(replays)}: {dynamo.source()}, engines sized as the twin's replicas",
                       highlight=False)
     start = time.perf_counter()
-    answers: list[Answer] = []
     try:
-        for policy in policies:
-            def report(p: Probe, name: str = f"{policy} (peer)" if policy in replays else policy) -> None:
-                console.print(probe_line(name, p), highlight=False)
+        found = _search(names, settings, slo, args, console)
+        for name in replays:   # seconds each, in this process (Dynamo's runtime is never forked)
+            def report(p: Probe, name: str = name) -> None:
+                console.print(probe_line(f"{name} (peer)", p), highlight=False)
 
-            needed = dynamo_replicas_needed if policy in replays else replicas_needed
-            answers.append(needed(settings, slo, policy, args.max_replicas, args.start, report))
-    except (Stopped, ConfigError) as exc:
+            found[name] = dynamo_replicas_needed(settings, slo, name, args.max_replicas, args.start, report)
+    except (Stopped, TwinError, ConfigError) as exc:
         fail(console, "plan", exc)
         return 2 if isinstance(exc, ConfigError) else 1
+    answers = [found[p] for p in policies]
     wall = time.perf_counter() - start
     console.print(answer_table(answers, slo))
     for line in (saving(answers), dynamo_answer(answers)):
@@ -224,6 +229,25 @@ def main(argv: list[str]) -> int:
     source = "the twin; the (peer) rows from Dynamo's replay" if replays else "the twin"
     console.print(f"[green]wrote[/green] {run_dir / 'plan.html'} and plan.json ({wall:.0f} s; figures from {source})")
     return 0
+
+
+def _search(names: list[str], settings: TwinSettings, slo: Target, args: argparse.Namespace,
+            console: Console) -> dict[str, Answer]:
+    """Each of kvlab's policies' searches, side by side (twin/workers.py), each probe printed as it
+    is judged; a TwinError when a signal stopped them."""
+    def search(policy: str, report: Report) -> Answer:
+        return replicas_needed(settings, slo, policy, args.max_replicas, args.start, report)
+
+    def printed(i: int, p: Probe) -> None:
+        console.print(probe_line(names[i], p), highlight=False)
+
+    ended = side_by_side(names, search, printed, args.jobs if args.jobs is not None else default_jobs())
+    if ended.signal is not None:
+        raise TwinError(f"stopped by {type(stopped_by(ended.signal)).__name__}")
+    if ended.died:
+        i, code = next(iter(ended.died.items()))
+        raise TwinError(f"the {names[i]} search ended without an answer (exit code {code})")
+    return {names[i]: answer for i, answer in ended.values.items()}
 
 
 def _run_dir(arg: str | None) -> Path:

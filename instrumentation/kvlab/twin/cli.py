@@ -37,9 +37,9 @@ from kvlab.load.stages import parse
 from kvlab.twin import dynamo, output
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
-from kvlab.twin.runner import Interrupt, TwinResult, plans
+from kvlab.twin.runner import TwinResult, plans, run_all
 from kvlab.twin.settings import Plan, TwinSettings
-from kvlab.twin.workers import default_jobs, run_all
+from kvlab.twin.workers import Interrupt, default_jobs
 
 # flag -> Information field
 _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after the engine step (ms)",

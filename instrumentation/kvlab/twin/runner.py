@@ -4,9 +4,11 @@ tests and the lab share."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -18,6 +20,7 @@ from kvlab.load.summary import Slo, Summary, open_loop, summarize
 from kvlab.twin.cluster import Cluster, Outcome
 from kvlab.twin.feed import Feed
 from kvlab.twin.settings import Plan, TwinSettings, resolve
+from kvlab.twin.workers import REPORT_EVERY_S, Interrupt, Report, side_by_side, stopped_by
 
 
 @dataclass(slots=True)
@@ -54,10 +57,6 @@ class Stopped(Exception):
         super().__init__(why)
         self.result = result
         self.why = why
-
-
-class Interrupt(Exception):
-    """Raised into a run by a signal handler (`kvlab twin` on SIGTERM) to stop it where it is."""
 
 
 def run(plan: Plan, oracle: bool = True, feed: Feed | None = None,
@@ -98,3 +97,76 @@ def _result(plan: Plan, cluster: Cluster, outcome: Outcome, wall: float) -> Twin
     if cluster.sent is not None:
         ceil = ceiling(cluster.sent, plan.sim.block_size, plan.replicas * plan.num_blocks)
     return TwinResult(plan, summary, records, outcome, ceil, wall)
+
+
+Progress = Callable[[int, float], None]
+
+
+@dataclass(slots=True)
+class Runs:
+    """Every plan's result that ran, in plan order (a stopped run's part, its summary marked partial),
+    and why the runs ended early (None: every one finished)."""
+
+    results: list[TwinResult] = field(default_factory=list)
+    why: str | None = None
+    cause: BaseException | None = None   # KeyboardInterrupt, Interrupt (SIGTERM) or TwinError
+
+
+def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Progress], jobs: int) -> Runs:
+    """Run every plan, `jobs` at a time side by side (twin/workers.py; 1: one after another in this
+    process), `progress(plan)` making a plan's progress callback as it starts. After a stop (a
+    signal, a watchdog) no further plan starts; Ctrl-C or SIGTERM stops the ones running too."""
+    if not plans:
+        return Runs()
+    # one feed for all (the plans share their workload): the tokenizer loads once, before any fork
+    feed = Feed(plans[0].workload)
+    updates: dict[int, Progress] = {}
+    out = Runs()
+
+    home = os.getpid()
+
+    def work(plan: Plan, report: Report) -> tuple[Any, ...]:
+        last = [0.0]
+        # in this process every request reaches the bar (it throttles itself); from a forked one,
+        # through its pipe, a report every REPORT_EVERY_S
+        every = 0.0 if os.getpid() == home else REPORT_EVERY_S
+
+        def reported(n: int, virtual_s: float) -> None:
+            now = time.monotonic()
+            if now - last[0] >= every:
+                last[0] = now
+                report((n, virtual_s))
+        try:
+            return "done", _parts(run(plan, oracle=oracle, feed=feed, progress=reported))
+        except Stopped as exc:   # a signal (KeyboardInterrupt, Interrupt) or the watchdog (TwinError)
+            return "stopped", _parts(exc.result), exc.why, exc.__cause__
+
+    def update(i: int, what: tuple[int, float]) -> None:
+        if i not in updates:
+            updates[i] = progress(plans[i])
+        updates[i](*what)
+
+    def finished(i: int, value: tuple[Any, ...]) -> bool:
+        result = TwinResult(plans[i], *value[1])
+        update(i, (len(result.records), result.outcome.virtual_s))
+        if value[0] == "done":
+            return True
+        if out.why is None:
+            out.why, out.cause = value[2], value[3]
+        return False
+
+    ended = side_by_side(plans, work, update, jobs, finished, label=lambda plan: plan.policy.name)
+    out.results = [TwinResult(plans[i], *ended.values[i][1]) for i in sorted(ended.values)]
+    if ended.signal is not None:
+        out.cause = stopped_by(ended.signal)
+        out.why = f"stopped by {type(out.cause).__name__}"
+    elif ended.died and out.why is None:
+        i, code = next(iter(ended.died.items()))
+        out.why = f"the {plans[i].policy.name} run ended without a result (exit code {code})"
+        out.cause = TwinError(out.why)
+    return out
+
+
+def _parts(r: TwinResult) -> tuple[Any, ...]:
+    """A result less its plan (the process that asked has it)."""
+    return r.summary, r.records, r.outcome, r.oracle, r.wall_s

@@ -1,12 +1,15 @@
-"""The policies of one `kvlab twin` run side by side, one process each.
+"""Independent runs side by side, one forked process each: the policies of a `kvlab twin`
+comparison, the per-policy searches of `kvlab plan`.
 
 A twin run is one core's work from its start to its end (one event loop in virtual time), and the
 policies of a comparison never share state: on a machine with two cores, `--policies
-round-robin,kv-aware` takes about as long as its slower policy, not as long as both. Each run is
-forked (its plan, the parsed trace and everything already imported come along), reports its progress
-through a pipe and sends its result back; the figures are the ones a run in this process gives.
-Ctrl-C or SIGTERM reaches every run in progress, and each sends what had finished (summary marked
-partial), as a run in this process does; a run that dies (out of memory) is named, never waited on.
+round-robin,kv-aware` takes about as long as its slower policy, not as long as both. Each item's
+work is forked (the plans, the parsed trace and everything already imported come along), sends
+its reports (progress, a probe) through a pipe as it goes, and its value at the end; the figures
+are those the same work gives in this process. Ctrl-C or SIGTERM is noted, not raised, and sent
+on to every process still working (each acts on the first signal it gets), which then sends what
+it has; a process that dies (the out-of-memory killer) is reported with its exit code, never
+waited on.
 """
 
 from __future__ import annotations
@@ -15,29 +18,30 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkProcess
 from types import FrameType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
-from kvlab.errors import TwinError
-from kvlab.twin.feed import Feed
-from kvlab.twin.runner import Interrupt, Stopped, TwinResult, run
-from kvlab.twin.settings import Plan
+from kvlab.errors import ConfigError, TwinError
 
-Progress = Callable[[int, float], None]
-REPORT_EVERY_S = 0.1   # a run's progress reaches the bar this often
-MAX_DEFAULT_JOBS = 4    # each run holds its own memory (16 x 10,000 conversation requests: ~0.8 GB)
+T = TypeVar("T")
+Report = Callable[[Any], None]
+REPORT_EVERY_S = 0.1    # how often a run's progress is sent (and the pipes are checked for a stop)
+MAX_DEFAULT_JOBS = 4    # each process holds its own memory (16 x 10,000 conversation requests: ~0.8 GB)
 _FORKS = "fork" in multiprocessing.get_all_start_methods()   # not on Windows
 
 
+class Interrupt(Exception):
+    """Raised into the work by a signal handler (SIGTERM) to stop it where it is."""
+
+
 def default_jobs() -> int:
-    """Runs at once unless told: one per core this process may run on, at most `MAX_DEFAULT_JOBS`
-    (1 where processes cannot be forked)."""
+    """Processes at once unless told: one per core this process may run on, at most
+    `MAX_DEFAULT_JOBS` (1 where processes cannot be forked)."""
     if not _FORKS:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -45,97 +49,95 @@ def default_jobs() -> int:
 
 
 @dataclass(slots=True)
-class Runs:
-    """Every plan's result that ran, in plan order (a stopped run's part, its summary marked partial),
-    and why the runs ended early (None: every one finished)."""
+class Ended:
+    """What the work left: each item's value by index, the items whose process died without one
+    (its exit code), and the Ctrl-C or SIGTERM that stopped this command (None: none did)."""
 
-    results: list[TwinResult]
-    why: str | None = None
-    cause: BaseException | None = None   # KeyboardInterrupt, Interrupt (SIGTERM) or TwinError
-
-
-def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Progress], jobs: int) -> Runs:
-    """Run every plan, `jobs` at a time in processes of their own (1, or no fork on this platform:
-    one after another in this process); `progress(plan)` makes a plan's progress callback as it
-    starts. After a stop no further plan starts; the ones running finish (interrupted, stop too)."""
-    if not plans:
-        return Runs([])
-    # one feed for all (the plans share their workload): the tokenizer loads once, before any fork
-    feed = Feed(plans[0].workload)
-    if jobs <= 1 or len(plans) <= 1 or not _FORKS:
-        return _one_by_one(plans, oracle, progress, feed)
-    return _side_by_side(plans, oracle, progress, jobs, feed)
-
-
-def _one_by_one(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Progress], feed: Feed) -> Runs:
-    out = Runs([])
-    for plan in plans:
-        try:
-            out.results.append(run(plan, oracle=oracle, feed=feed, progress=progress(plan)))
-        except Stopped as exc:
-            out.results.append(exc.result)
-            out.why, out.cause = exc.why, exc.__cause__
-            break
-    return out
+    values: dict[int, Any] = field(default_factory=dict)
+    died: dict[int, int | None] = field(default_factory=dict)
+    signal: int | None = None
 
 
 @dataclass(slots=True)
-class _Run:
+class _Proc:
     index: int
-    plan: Plan
     process: ForkProcess
     conn: Connection
-    update: Progress
 
 
-def _side_by_side(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Progress], jobs: int,
-                  feed: Feed) -> Runs:
+def side_by_side(items: Sequence[T], work: Callable[[T, Report], Any], on_report: Callable[[int, Any], None],
+                 jobs: int, on_value: Callable[[int, Any], bool] = lambda i, v: True,
+                 label: Callable[[T], str] = str) -> Ended:
+    """`work(item, report)` for every item, `jobs` at a time in processes of their own (1, or no
+    fork on this platform: one after another in this process, its exceptions raised as they are);
+    `on_report(index, what)` for each report, `on_value(index, value)` for each value (False: start
+    no further item). A process's exception is raised here (ConfigError and TwinError as such, any
+    other a RuntimeError naming the item by `label` with its traceback) unless this command was stopped."""
+    ended = Ended()
+    if jobs <= 1 or len(items) <= 1 or not _FORKS:
+        for i, item in enumerate(items):
+            ended.values[i] = value = work(item, lambda what, i=i: on_report(i, what))   # type: ignore[misc]
+            if not on_value(i, value):
+                break
+        return ended
     ctx = multiprocessing.get_context("fork")
-    todo = list(enumerate(plans))
-    runs: dict[Connection, _Run] = {}
-    done: dict[int, TwinResult] = {}
-    out = Runs([])
-    stop: list[int] = []   # the Ctrl-C or SIGTERM this command got, acted on between reads
-    forwarded = False
+    todo = list(enumerate(items))
+    procs: dict[Connection, _Proc] = {}
+    stop: list[int] = []
+    forwarded, more = False, True
     try:
         with _signals_noted(stop):
-            while todo or runs:
-                while todo and len(runs) < jobs and out.why is None and not stop:
-                    i, plan = todo.pop(0)
+            while procs or (todo and more and not stop):
+                while todo and more and len(procs) < jobs and not stop:
+                    i, item = todo.pop(0)
                     reader, writer = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_child, args=(writer, plan, oracle, feed),
-                                       name=f"twin {plan.policy.name}", daemon=True)
+                    proc = ctx.Process(target=_child, args=(writer, work, item), daemon=True)
                     proc.start()
                     writer.close()   # the child's end: its exit is the reader's EOF
-                    runs[reader] = _Run(i, plan, proc, reader, progress(plan))
+                    procs[reader] = _Proc(i, proc, reader)
                 if stop and not forwarded:
-                    # every run still going stops and sends its part (a terminal's Ctrl-C reached
-                    # them already: a run acts on the first signal it gets and ignores the rest)
-                    forwarded = True
-                    for r in runs.values():
-                        os.kill(cast(int, r.process.pid), signal.SIGTERM)
-                if runs:
-                    _receive(runs, done, out, stopping=bool(stop))
+                    forwarded = True   # a terminal's Ctrl-C reached them already; they act on one
+                    for p in procs.values():
+                        os.kill(cast(int, p.process.pid), signal.SIGTERM)
+                for conn in wait(list(procs), timeout=REPORT_EVERY_S) if procs else ():
+                    p = procs[conn]   # type: ignore[index]   # wait() returns what it was given
+                    try:
+                        msg = p.conn.recv()
+                    except EOFError:   # the process ended without sending its value
+                        _end(procs, p)
+                        ended.died[p.index] = p.process.exitcode
+                        continue
+                    if msg[0] == "report":
+                        on_report(p.index, msg[1])
+                        continue
+                    _end(procs, p)
+                    if msg[0] == "value":
+                        ended.values[p.index] = msg[1]
+                        more = on_value(p.index, msg[1]) and more
+                    elif not stop:
+                        raise _raised(label(items[p.index]), *msg[1:])
     finally:
-        for r in runs.values():   # only after a second Ctrl-C or a failed run
-            r.process.kill()
-            r.process.join()
-            r.conn.close()
-    if stop:
-        cause: BaseException = KeyboardInterrupt() if stop[0] == signal.SIGINT else Interrupt("SIGTERM")
-        out.why, out.cause = f"stopped by {type(cause).__name__}", cause
-    out.results = [done[i] for i in sorted(done)]
-    return out
+        for p in procs.values():   # only after a second Ctrl-C or a failed item
+            p.process.kill()
+            p.process.join()
+            p.conn.close()
+    ended.signal = stop[0] if stop else None
+    return ended
+
+
+def stopped_by(signum: int) -> BaseException:
+    """The exception a signal stands for (the exit code follows it: 130 or 143)."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupt("SIGTERM")
 
 
 @contextlib.contextmanager
 def _signals_noted(stop: list[int]) -> Iterator[None]:
     """Ctrl-C and SIGTERM are noted in `stop`, not raised, so no read of a pipe is cut in two; a
-    second one raises (the runs are then killed, their parts lost). A Ctrl-C this process ignores
-    (started in the background) stays ignored."""
+    second one raises (the processes are then killed, their values lost). A Ctrl-C this process
+    ignores (started in the background) stays ignored."""
     def note(signum: int, frame: FrameType | None) -> None:
         if stop:
-            raise KeyboardInterrupt if signum == signal.SIGINT else Interrupt("SIGTERM")
+            raise stopped_by(signum)
         stop.append(signum)
 
     names = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
@@ -151,85 +153,43 @@ def _signals_noted(stop: list[int]) -> Iterator[None]:
             signal.signal(n, handler)
 
 
-def _receive(runs: dict[Connection, _Run], done: dict[int, TwinResult], out: Runs, stopping: bool) -> None:
-    """Read what the runs sent (waiting a moment for one to send): progress, a result, a stop or an
-    error. `stopping`: this command was stopped, so a run that ends without its part is let go."""
-    for conn in wait(list(runs), timeout=REPORT_EVERY_S):
-        r = runs[conn]   # type: ignore[index]   # wait() returns what it was given
-        try:
-            msg = r.conn.recv()
-        except EOFError:   # the process ended without sending its result
-            _end(runs, r)
-            if not stopping and out.why is None:
-                out.why = f"the {r.plan.policy.name} run ended without a result (exit code {r.process.exitcode})"
-                out.cause = TwinError(out.why)
-            continue
-        kind = msg[0]
-        if kind == "progress":
-            r.update(msg[1], msg[2])
-            continue
-        _end(runs, r)
-        if kind == "error":
-            if not stopping:
-                raise RuntimeError(f"the {r.plan.policy.name} run failed:\n{msg[1]}")
-            continue
-        result = TwinResult(r.plan, *msg[1])
-        r.update(len(result.records), result.outcome.virtual_s)
-        done[r.index] = result
-        if kind == "stopped" and out.why is None and not stopping:
-            out.why, out.cause = msg[2], _CAUSES[msg[3]](msg[2])
+def _raised(label: str, kind: str, message: str, trace: str) -> Exception:
+    if kind == "ConfigError":
+        return ConfigError(message)
+    if kind in ("TwinError", "Stopped", "KeyboardInterrupt", "Interrupt"):
+        return TwinError(message or f"stopped by {kind}")
+    return RuntimeError(f"the {label} run failed:\n{trace}")
 
 
-_CAUSES: dict[str, Callable[[str], BaseException]] = {
-    "KeyboardInterrupt": KeyboardInterrupt, "Interrupt": Interrupt, "TwinError": TwinError}
+def _end(procs: dict[Connection, _Proc], p: _Proc) -> None:
+    del procs[p.conn]
+    p.conn.close()
+    p.process.join()
 
 
-def _end(runs: dict[Connection, _Run], r: _Run) -> None:
-    del runs[r.conn]
-    r.conn.close()
-    r.process.join()
-
-
-def _child(conn: Connection, plan: Plan, oracle: bool, feed: Feed) -> None:
-    """One plan's run in its own process: progress, then ("done" | "stopped", the result's parts)."""
+def _child(conn: Connection, work: Callable[[Any, Report], Any], item: Any) -> None:
+    """One item's work in its own process: its reports, then ("value", what it returned) or
+    ("raised", the exception's class name, message and traceback)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # forked after the parent tokenized: no pool here
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _first_signal)
     signal.signal(signal.SIGTERM, _first_signal)
-    last = [0.0]
-
-    def report(n: int, virtual_s: float) -> None:
-        now = time.monotonic()
-        if now - last[0] >= REPORT_EVERY_S:
-            last[0] = now
-            conn.send(("progress", n, virtual_s))
-
     try:
         msg: tuple[Any, ...]
         try:
-            msg = ("done", _parts(run(plan, oracle=oracle, feed=feed, progress=report)))
-        except Stopped as exc:   # a signal (KeyboardInterrupt, Interrupt) or the watchdog (TwinError)
-            msg = ("stopped", _parts(exc.result), exc.why, type(exc.__cause__).__name__)
+            msg = ("value", work(item, lambda what: conn.send(("report", what))))
+        except BaseException as exc:   # sent whole; the parent decides what it means
+            msg = ("raised", type(exc).__name__, str(exc), traceback.format_exc())
         _ignore_signals()
         conn.send(msg)
-    except BaseException:   # a bug in a run: the parent names it with this traceback
-        _ignore_signals()
-        conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
 
 
-def _parts(r: TwinResult) -> tuple[Any, ...]:
-    """A result less its plan (the parent has it)."""
-    return r.summary, r.records, r.outcome, r.oracle, r.wall_s
-
-
 def _first_signal(signum: int, frame: FrameType | None) -> None:
-    """Stop the run on the first Ctrl-C or SIGTERM; ignore the rest (the parent forwards one too)."""
+    """Stop the work on the first Ctrl-C or SIGTERM; ignore the rest (the parent forwards one too)."""
     _ignore_signals()
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Interrupt("SIGTERM")
+    raise stopped_by(signum)
 
 
 def _ignore_signals() -> None:
