@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import msgspec
 
 from kvlab.load.stages import Stage
-from kvlab.twin.runner import plans, run
+from kvlab.twin.runner import plans, run_all
 from kvlab.twin.settings import Information, TwinSettings
+from kvlab.twin.workers import default_jobs
 
 WARMUP = (15.0, 50.0)
 STAGES = [(3, 20), (10, 20), (15, 20), (20, 38), (22, 34), (25, 30), (30, 25), (35, 21), (40, 38), (43, 36),
@@ -69,10 +69,12 @@ def main() -> None:
     rows: dict[str, list[dict]] = {}
     pooled: dict[str, float | None] = {}
     base = settings(args.output_tokens, args.scale, args.seed, args.request_overhead_ms)
-    for plan in plans(base, args.policies.split(",")):
-        t0 = time.perf_counter()
-        r = run(plan, oracle=False)
-        name = plan.policy.name
+    # the policies side by side, one process each (twin/workers.py), as `kvlab twin` runs them
+    ran = run_all(plans(base, args.policies.split(",")), False, lambda plan: lambda n, v: None, default_jobs())
+    if ran.why is not None:
+        raise SystemExit(f"llmd_anchor: {ran.why}")
+    for r in ran.results:
+        name = r.plan.policy.name
         stages = msgspec.to_builtins(r.summary.stages or [])
         rows[name] = stages
         measured = [rec.ttft_ms / 1000 for rec in r.records
@@ -80,8 +82,8 @@ def main() -> None:
         measured.sort()
         pooled[name] = measured[int(0.9 * (len(measured) - 1))] if measured else None
         (out / f"{name}.json").write_text(json.dumps({"stages": stages, "pooled_ttft_p90_s": pooled[name],
-                                                      "wall_s": time.perf_counter() - t0}, indent=2))
-        print(f"{name}: {len(r.records)} requests in {time.perf_counter() - t0:.0f} s wall", flush=True)
+                                                      "wall_s": r.wall_s}, indent=2))
+        print(f"{name}: {len(r.records)} requests in {r.wall_s:.0f} s wall", flush=True)
     print("\nTTFT p90 per stage, s: twin (published); figures from the twin, virtual time, "
           f"{args.output_tokens} output tokens")
     names = list(rows)

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 
-import msgspec
 import numpy as np
 
 from kvlab.load.measure import Record
 from kvlab.load.summary import Slo, summarize
 from kvlab.twin import dynamo
-from kvlab.twin.feed import Feed
-from kvlab.twin.runner import run
+from kvlab.twin.runner import plans, run_all
 from kvlab.twin.settings import TwinSettings, resolve
+from kvlab.twin.workers import default_jobs
 
 TWIN = "round-robin,prefix,kv-aware,vllm-router-cache-aware,llm-d-approximate,llm-d-precise"
 PEERS = "dynamo-round-robin,dynamo-kv-router"
@@ -67,10 +66,13 @@ def main() -> None:
                             block_size=a.block_size, num_blocks=a.num_blocks)
         plan = resolve(base)
         oracle = dynamo.oracle(plan, dynamo.rows_of(plan)).hit_rate
-        feed = Feed(plan.workload)
-        for name in (n for n in a.policies.split(",") if n):
-            r = run(resolve(msgspec.structs.replace(base, policy=name)), oracle=False, feed=feed)
-            print(row("kvlab twin", name, replicas, r.records, oracle, slo), flush=True)
+        # kvlab's policies side by side, one process each (twin/workers.py), as `kvlab twin` runs them
+        ran = run_all(plans(base, [n for n in a.policies.split(",") if n]), False, lambda plan: lambda n, v: None,
+                      default_jobs())
+        if ran.why is not None:
+            raise SystemExit(f"peers_at_scale: {ran.why}")
+        for r in ran.results:
+            print(row("kvlab twin", r.plan.policy.name, replicas, r.records, oracle, slo), flush=True)
         speed = dynamo.prefill_matched_speedup(plan) if a.matched_prefill else 1.0
         for name in (n for n in a.peers.split(",") if n):
             d = dynamo.run(plan, name, speedup_ratio=speed)

@@ -118,7 +118,9 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
     signal, a watchdog) no further plan starts; Ctrl-C or SIGTERM stops the ones running too."""
     if not plans:
         return Runs()
-    # one feed for all (the plans share their workload): the tokenizer loads once, before any fork
+    if any(p.workload is not plans[0].workload for p in plans):
+        raise ValueError("run_all's plans share one workload object (`plans` makes them so)")
+    # one feed for all: the tokenizer loads once, before any fork
     feed = Feed(plans[0].workload)
     updates: dict[int, Progress] = {}
     out = Runs()
