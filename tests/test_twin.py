@@ -111,6 +111,7 @@ def test_a_trace_replays_at_its_own_timing_open_loop(tmp_path):
     (["--workload", "nonsense"], "unknown workload 'nonsense'"),
     (["--kv-event-delay-ms", "-1"], "Expected `float` >= 0"),
     (["--rate", "2", "--users", "3"], "not both"),
+    (["--jobs", "0"], "--jobs must be 1 or more (got 0)"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
     out = tmp_path / "run"

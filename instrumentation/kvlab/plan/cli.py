@@ -34,11 +34,11 @@ from kvlab.errors import ConfigError, TwinError
 from kvlab.plan.search import Answer, Probe, Target, dynamo_replicas_needed, replicas_needed
 from kvlab.run.command import fail
 from kvlab.twin import dynamo
-from kvlab.twin.cli import policies_of
+from kvlab.twin.cli import jobs_of, policies_of
 from kvlab.twin.fit import describe
 from kvlab.twin.runner import Stopped
 from kvlab.twin.settings import TwinSettings, resolve
-from kvlab.twin.workers import Report, default_jobs, side_by_side, stopped_by
+from kvlab.twin.workers import Report, side_by_side, stopped_by
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
 DEFAULT_REQUESTS = 300   # the conversation trace's first ~90 s: both policies answered in minutes on 2 cores
@@ -177,6 +177,7 @@ def main(argv: list[str]) -> int:
     try:
         settings, slo = settings_of(args)
         policies = policies_of(args.policies)
+        jobs = jobs_of(args.jobs)
         names, replays = dynamo.split(policies)
         first = resolve(msgspec.structs.replace(settings, policy=names[0] if names else None, replicas=args.start))
         for p in names[1:]:
@@ -199,7 +200,7 @@ def main(argv: list[str]) -> int:
                       highlight=False)
     start = time.perf_counter()
     try:
-        found = _search(names, settings, slo, args, console)
+        found = _search(names, settings, slo, args, jobs, console)
         for name in replays:   # seconds each, in this process (Dynamo's runtime is never forked)
             def report(p: Probe, name: str = name) -> None:
                 console.print(probe_line(f"{name} (peer)", p), highlight=False)
@@ -231,7 +232,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _search(names: list[str], settings: TwinSettings, slo: Target, args: argparse.Namespace,
+def _search(names: list[str], settings: TwinSettings, slo: Target, args: argparse.Namespace, jobs: int,
             console: Console) -> dict[str, Answer]:
     """Each of kvlab's policies' searches, side by side (twin/workers.py), each probe printed as it
     is judged; a TwinError when a signal stopped them."""
@@ -241,7 +242,7 @@ def _search(names: list[str], settings: TwinSettings, slo: Target, args: argpars
     def printed(i: int, p: Probe) -> None:
         console.print(probe_line(names[i], p), highlight=False)
 
-    ended = side_by_side(names, search, printed, args.jobs if args.jobs is not None else default_jobs())
+    ended = side_by_side(names, search, printed, jobs)
     if ended.signal is not None:
         raise TwinError(f"stopped by {type(stopped_by(ended.signal)).__name__}")
     if ended.died:

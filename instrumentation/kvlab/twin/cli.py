@@ -125,6 +125,15 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     return convert(data, TwinSettings, args.config or "kvlab twin")
 
 
+def jobs_of(n: int | None) -> int:
+    """--jobs, checked: processes side by side (default: one per core, at most 4)."""
+    if n is None:
+        return default_jobs()
+    if n < 1:
+        raise ConfigError(f"--jobs must be 1 or more (got {n}); 1 runs the policies one after another")
+    return n
+
+
 def policies_of(text: str | None) -> list[str]:
     if text is None:
         return []
@@ -176,6 +185,7 @@ def main(argv: list[str]) -> int:
     console = Console(stderr=True)
     try:
         settings = settings_of(args)
+        jobs = jobs_of(args.jobs)
         names, replays = dynamo.split(policies_of(args.policies))
         todo = plans(settings, names) if names or not replays else []
         first = todo[0] if todo else plans(settings, [])[0]
@@ -189,7 +199,7 @@ def main(argv: list[str]) -> int:
         console.print(line, highlight=False)
     with _sigterm_interrupts(), RunProgress(console) as bar:
         ran = run_all(todo, not args.no_oracle, lambda plan: bar.task(plan.policy.name, plan.settings.requests),
-                      args.jobs if args.jobs is not None else default_jobs())
+                      jobs)
     results = [r for r in ran.results if r.records]
     if not results and (ran.why is not None or not replays):
         console.print(f"[red]kvlab twin:[/red] {ran.why or 'nothing ran'}; nothing finished", soft_wrap=True)
