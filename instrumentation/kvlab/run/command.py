@@ -8,9 +8,10 @@ themselves.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from rich.console import Console
@@ -27,19 +28,30 @@ def fail(console: Console, command: str, message: object) -> int:
 def guarded(console: Console, command: str, action: Callable[[], object], interrupted: str) -> int:
     """Run `action`: 0 when it returns, 1 on a KvlabError/ValueError, 130 on Ctrl-C or SIGTERM (which
     would otherwise end Python without running the `finally` blocks that stop its processes)."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
-    try:
-        action()
-    except (KvlabError, ValueError) as exc:
-        return fail(console, command, exc)
-    except KeyboardInterrupt:
-        console.print(f"interrupted; {interrupted}", style="yellow", markup=False)
-        return 130
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    with signals_handled(_interrupt, signal.SIGTERM):
+        try:
+            action()
+        except (KvlabError, ValueError) as exc:
+            return fail(console, command, exc)
+        except KeyboardInterrupt:
+            console.print(f"interrupted; {interrupted}", style="yellow", markup=False)
+            return 130
     return 0
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Callable[[int, FrameType | None], None], *signums: int) -> Iterator[None]:
+    """`handler` for `signums` inside the block, the previous handlers after it; off the main thread
+    (where Python takes no signal) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {n: signal.signal(n, handler) for n in signums}
+    try:
+        yield
+    finally:
+        for n, h in previous.items():
+            signal.signal(n, h)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

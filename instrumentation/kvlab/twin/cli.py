@@ -22,8 +22,8 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -34,6 +34,7 @@ from kvlab.config import convert, read_yaml
 from kvlab.errors import ConfigError
 from kvlab.gateway.config import PRESETS
 from kvlab.load.stages import parse
+from kvlab.run.command import signals_handled
 from kvlab.twin import dynamo, output
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
@@ -265,21 +266,12 @@ def write(first: Plan, results: list[TwinResult], peers: list[dynamo.DynamoResul
     return pages, rows, note
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def _sigterm_interrupts() -> contextlib.AbstractContextManager[None]:
     """SIGTERM stops the run in progress as Ctrl-C does, so what finished is written."""
-    def stop(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
         raise Interrupt("SIGTERM")
 
-    try:
-        old = signal.signal(signal.SIGTERM, stop)
-    except ValueError:   # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return signals_handled(stop, signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
     # one feed for all: the tokenizer loads once, before any fork
     feed = Feed(plans[0].workload)
     updates: dict[int, Progress] = {}
+    results: dict[int, TwinResult] = {}
     out = Runs()
 
     home = os.getpid()
@@ -149,7 +150,7 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
         updates[i](*what)
 
     def finished(i: int, value: tuple[Any, ...]) -> bool:
-        result = TwinResult(plans[i], *value[1])
+        results[i] = result = TwinResult(plans[i], *value[1])
         update(i, (len(result.records), result.outcome.virtual_s))
         if value[0] == "done":
             return True
@@ -158,7 +159,7 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
         return False
 
     ended = side_by_side(plans, work, update, jobs, finished, label=lambda plan: plan.policy.name)
-    out.results = [TwinResult(plans[i], *ended.values[i][1]) for i in sorted(ended.values)]
+    out.results = [results[i] for i in sorted(ended.values)]
     if ended.signal is not None:
         out.cause = stopped_by(ended.signal)
         out.why = f"stopped by {type(out.cause).__name__}"

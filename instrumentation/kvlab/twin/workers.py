@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import signal
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkProcess
@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any, TypeVar, cast
 
 from kvlab.errors import ConfigError, TwinError
+from kvlab.run.command import signals_handled
 
 T = TypeVar("T")
 Report = Callable[[Any], None]
@@ -130,8 +131,7 @@ def stopped_by(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Interrupt("SIGTERM")
 
 
-@contextlib.contextmanager
-def _signals_noted(stop: list[int]) -> Iterator[None]:
+def _signals_noted(stop: list[int]) -> contextlib.AbstractContextManager[None]:
     """Ctrl-C and SIGTERM are noted in `stop`, not raised, so no read of a pipe is cut in two; a
     second one raises (the processes are then killed, their values lost). A Ctrl-C this process
     ignores (started in the background) stays ignored."""
@@ -140,17 +140,8 @@ def _signals_noted(stop: list[int]) -> Iterator[None]:
             raise stopped_by(signum)
         stop.append(signum)
 
-    names = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
-    try:
-        old = {n: signal.signal(n, note) for n in names}
-    except ValueError:   # not the main thread: no signal reaches this code
-        yield
-        return
-    try:
-        yield
-    finally:
-        for n, handler in old.items():
-            signal.signal(n, handler)
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    return signals_handled(note, signal.SIGTERM, *(() if ignored else (signal.SIGINT,)))
 
 
 def _raised(label: str, kind: str, message: str, trace: str) -> Exception:
