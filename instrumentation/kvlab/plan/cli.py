@@ -38,7 +38,7 @@ from kvlab.twin.cli import jobs_of, policies_of
 from kvlab.twin.fit import describe
 from kvlab.twin.runner import Stopped
 from kvlab.twin.settings import TwinSettings, resolve
-from kvlab.twin.workers import Report, side_by_side, stopped_by
+from kvlab.twin.workers import Report, side_by_side
 
 DEFAULT_POLICIES = "round-robin,kv-aware"
 DEFAULT_REQUESTS = 300   # the conversation trace's first ~90 s: both policies answered in minutes on 2 cores
@@ -243,11 +243,9 @@ def _search(names: list[str], settings: TwinSettings, slo: Target, args: argpars
         console.print(probe_line(names[i], p), highlight=False)
 
     ended = side_by_side(names, search, printed, jobs)
-    if ended.signal is not None:
-        raise TwinError(f"stopped by {type(stopped_by(ended.signal)).__name__}")
-    if ended.died:
-        i, code = next(iter(ended.died.items()))
-        raise TwinError(f"the {names[i]} search ended without an answer (exit code {code})")
+    early = ended.cut_short(lambda i: f"{names[i]} search")
+    if early is not None:
+        raise TwinError(early[0])
     return {names[i]: answer for i, answer in ended.values.items()}
 
 

@@ -20,7 +20,9 @@ from kvlab.load.summary import Slo, Summary, open_loop, summarize
 from kvlab.twin.cluster import Cluster, Outcome
 from kvlab.twin.feed import Feed
 from kvlab.twin.settings import Plan, TwinSettings, resolve
-from kvlab.twin.workers import REPORT_EVERY_S, Interrupt, Report, side_by_side, stopped_by
+from kvlab.twin.workers import REPORT_EVERY_S, Interrupt, Report, side_by_side
+
+Progress = Callable[[int, float], None]   # (requests done, virtual seconds)
 
 
 @dataclass(slots=True)
@@ -59,8 +61,7 @@ class Stopped(Exception):
         self.why = why
 
 
-def run(plan: Plan, oracle: bool = True, feed: Feed | None = None,
-        progress: Callable[[int, float], None] | None = None) -> TwinResult:
+def run(plan: Plan, oracle: bool = True, feed: Feed | None = None, progress: Progress | None = None) -> TwinResult:
     """Run one plan to its end, `progress(requests done, virtual seconds)` as each finishes;
     `Stopped` (with what had finished) when it is interrupted or its watchdog fires."""
     start = time.perf_counter()
@@ -99,9 +100,6 @@ def _result(plan: Plan, cluster: Cluster, outcome: Outcome, wall: float) -> Twin
     return TwinResult(plan, summary, records, outcome, ceil, wall)
 
 
-Progress = Callable[[int, float], None]
-
-
 @dataclass(slots=True)
 class Runs:
     """Every plan's result that ran, in plan order (a stopped run's part, its summary marked partial),
@@ -125,7 +123,6 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
     updates: dict[int, Progress] = {}
     results: dict[int, TwinResult] = {}
     out = Runs()
-
     home = os.getpid()
 
     def work(plan: Plan, report: Report) -> tuple[Any, ...]:
@@ -160,13 +157,9 @@ def run_all(plans: Sequence[Plan], oracle: bool, progress: Callable[[Plan], Prog
 
     ended = side_by_side(plans, work, update, jobs, finished, label=lambda plan: plan.policy.name)
     out.results = [results[i] for i in sorted(ended.values)]
-    if ended.signal is not None:
-        out.cause = stopped_by(ended.signal)
-        out.why = f"stopped by {type(out.cause).__name__}"
-    elif ended.died and out.why is None:
-        i, code = next(iter(ended.died.items()))
-        out.why = f"the {plans[i].policy.name} run ended without a result (exit code {code})"
-        out.cause = TwinError(out.why)
+    early = ended.cut_short(lambda i: plans[i].policy.name)
+    if early is not None and (ended.signal is not None or out.why is None):   # a signal outranks a watchdog's stop
+        out.why, out.cause = early
     return out
 
 

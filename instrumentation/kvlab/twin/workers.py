@@ -58,6 +58,17 @@ class Ended:
     died: dict[int, int | None] = field(default_factory=dict)
     signal: int | None = None
 
+    def cut_short(self, name: Callable[[int], str]) -> tuple[str, BaseException] | None:
+        """Why the work ended early, and the exception that stands for it: the signal that stopped
+        this command, else the first item (named by `name(index)`) whose process died; None: neither."""
+        if self.signal is not None:
+            cause = stopped_by(self.signal)
+            return f"stopped by {type(cause).__name__}", cause
+        for i, code in self.died.items():
+            why = f"the {name(i)} run ended without a result (exit code {code})"
+            return why, TwinError(why)
+        return None
+
 
 @dataclass(slots=True)
 class _Proc:
