@@ -140,6 +140,63 @@ def test_engine_keys_take_the_events_hashes_as_keys():
     assert live.match(keys, {"a": BS})["a"] == 0
 
 
+def test_engine_keys_hold_what_re_keying_holds():
+    """The twin's index takes the events' hashes as its keys, the live one keys blocks by their token
+    ids: the same random run of stores and removals in both tiers, speculation, expiry, clears and
+    replicas leaving, told once with hashes of our family (a twin engine's) and once with an engine's
+    own, leaves both indexes answering alike after every step."""
+    rng = random.Random(11)
+    roots = [[rng.randrange(500) for _ in range(6 * BS)] for _ in range(3)]
+    prompts = [r[:k * BS] + [rng.randrange(500) for _ in range(4 * BS)] for r in roots for k in (2, 6)]
+    ours = [block_keys(p, BS) for p in prompts]
+    theirs = [engine_hashes(p) for p in prompts]
+    now = [0.0]
+    twin, live = (PreciseIndex(speculative_ttl_s=5.0, clock=lambda: now[0], engine_keys=e) for e in (True, False))
+    sizes = dict.fromkeys("abc", BS)
+    held: dict[tuple[str, str], set[int]] = {}   # (replica, tier) -> our keys stored and not removed
+    for _ in range(600):
+        r, p, op = rng.choice("abc"), rng.randrange(len(prompts)), rng.random()
+        medium = rng.choice(("GPU", "GPU", "CPU"))
+        mine = held.setdefault((r, medium), set())
+        if op < 0.45:   # store a run of blocks whose parent the replica holds (or the first ones)
+            start = rng.choice([0] + [i + 1 for i, k in enumerate(ours[p]) if k in mine])
+            end = min(start + rng.randint(1, 4), len(ours[p]))
+            for idx, hashes in ((twin, ours[p]), (live, theirs[p])):
+                idx.apply(r, [BlockStored(block_hashes=hashes[start:end], parent_block_hash=hashes[start - 1] if start else None,
+                                          token_ids=prompts[p][start * BS:end * BS], block_size=BS, medium=medium)])
+            mine.update(ours[p][start:end])
+        elif op < 0.7:
+            gone = [i for i, k in enumerate(ours[p]) if k in mine and rng.random() < 0.5]
+            for idx, hashes in ((twin, ours[p]), (live, theirs[p])):
+                idx.apply(r, [BlockRemoved(block_hashes=[hashes[i] for i in gone], medium=medium)])
+            mine.difference_update(ours[p][i] for i in gone)
+        elif op < 0.9:
+            assert twin.speculate(r, ours[p]) == live.speculate(r, ours[p])
+        elif op < 0.95:
+            now[0] += rng.choice((1.0, 6.0))
+        elif op < 0.98:
+            for idx in (twin, live):
+                idx.apply(r, [AllBlocksCleared()])
+            held.pop((r, "GPU"), None)
+            held.pop((r, "CPU"), None)
+        else:
+            for idx in (twin, live):
+                idx.remove(r)
+            held.pop((r, "GPU"), None)
+            held.pop((r, "CPU"), None)
+        for keys in ours:
+            for spec in (True, False):
+                assert twin.match({BS: keys}, sizes, spec, True) == live.match({BS: keys}, sizes, spec, True)
+                assert twin.match({BS: keys}, sizes, spec) == live.match({BS: keys}, sizes, spec)
+        for name in sizes:
+            assert (twin.blocks(name), twin.cpu_blocks(name), twin.speculative_blocks(name)) == \
+                (live.blocks(name), live.cpu_blocks(name), live.speculative_blocks(name))
+            assert twin.blocks(name) == len(held.get((name, "GPU"), ()))
+    assert (twin.total_blocks(), twin.confirmed, twin.expired, twin.unresolved) == \
+        (live.total_blocks(), live.confirmed, live.expired, live.unresolved)
+    assert twin.confirmed > 0 and twin.expired > 0 and twin.total_blocks() > 0
+
+
 def test_a_router_without_fallback_learns_only_replicas_off_the_precise_index():
     """`fallback=False` (the twin, whose event streams never go stale): a replica on the precise
     index is not learned by the approximate one; a replica whose feed is not live still is."""

@@ -180,9 +180,8 @@ class BlockPool:
         deque(map(setattr, blocks, repeat("ref_cnt"), refs), maxlen=0)
         unused = list(compress(blocks, map(not_, refs)))
         free.update(zip(map(_id, unused), unused))
-        for block in unused:
-            if block.key is None:
-                free.move_to_end(block.id, last=False)
+        uncached = compress(unused, map(is_, map(_key, unused), repeat(None)))
+        deque(map(free.move_to_end, map(_id, uncached), repeat(False)), maxlen=0)
 
     def reset(self) -> None:
         """Forget every cached block (running requests keep their blocks); AllBlocksCleared."""
