@@ -15,6 +15,7 @@ it for empty (lab 10 saw a hot group split over two replicas that way).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvlab.errors import NoEndpointAvailable
@@ -61,14 +62,17 @@ class Router:
     def uses_precise(self, r: Backend) -> bool:
         return self.precise_keys(r) and r.events_state == "live"
 
-    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> Routed:
+    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset(),
+              keys: Mapping[int, list[int]] | None = None) -> Routed:
+        """Route a prompt. `keys`: its block keys by block size where the caller has them already
+        (the twin keys a trace's prompts by their structure, twin/keys.py); the others are hashed."""
         t0 = time.perf_counter()
         replicas = [r for r in self.registry.candidates(include_prefill=not self.cfg.pd.enabled)
                     if r.name not in exclude]
         if not replicas:
             raise NoEndpointAvailable("no healthy replica to route to")
         sizes = {r.name: self.block_size(r) for r in replicas}
-        keys_by_size = {bs: block_keys(tokens, bs) for bs in set(sizes.values())}
+        keys_by_size = {bs: keys[bs] if keys and bs in keys else block_keys(tokens, bs) for bs in set(sizes.values())}
         t1, lookup = time.perf_counter(), time.time_ns()
         prefix, speculative, index_of = self.prefix_of(replicas, keys_by_size, len(tokens), sizes)
         cpu = self.cpu_only(replicas, keys_by_size, prefix, sizes, index_of)

@@ -43,6 +43,7 @@ from kvlab.gateway.router import Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.events import Event
+from kvlab.kvcache.hashing import ROOT, block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
@@ -228,11 +229,12 @@ class Cluster:
             for r in self.replicas:
                 r.scrape()
         tokens = prompt.tokens
-        routed = self.router.route(tokens)
+        bs = self.plan.sim.block_size   # every replica's
+        routed = self.router.route(tokens, keys={bs: self.feed.block_keys(prompt, bs)})
         d = routed.decision
         if self.sent is not None:
             # 8 bytes a key, not a list of int objects: 10,000 trace prompts hold ~9 million keys
-            self.sent.append(Blocks(len(tokens), array("Q", routed.keys_by_size[self.plan.sim.block_size])))
+            self.sent.append(Blocks(len(tokens), array("Q", routed.keys_by_size[bs])))
         replica = self.by_name[d.chosen.name]
         pd = plan_split(self.plan.policy.pd, self.router, self.prefills, tokens, routed) \
             if self.prefills is not None else None
@@ -247,12 +249,12 @@ class Cluster:
             # the prefill call: the same prompt, one token, on the prefill pool's first choice
             first = pd.prefill[0]
             flight = self._call(prompt, now, self.by_name[first.name], max(len(tokens) - first.prefix_tokens, 0),
-                                record, user, now + delay, 1)
+                                record, user, now + delay, 1, keys=routed.keys_by_size[bs])
             flight.decode = replica
         else:
             flight = self._call(prompt, now, replica, max(len(tokens) - d.chosen.prefix_tokens, 0), record, user,
                                 now + delay, prompt.max_tokens, self.chunking.chunk_tokens if self.chunking else 0,
-                                routed.keys_by_size.get(replica.pool.block_size))
+                                keys=routed.keys_by_size[bs])
         if rest:   # an open-loop session's later requests follow this one (closed loop inside it)
             self._user_session[-self._ids] = rest
             flight.user = -self._ids
@@ -262,11 +264,11 @@ class Cluster:
             self._push(now + delay, SUBMIT, flight)
 
     def _call(self, prompt: Prompt, sent_ms: float, replica: Replica, work: int, record: Record, user: int | None,
-              at_ms: float, max_tokens: int, chunk: int = 0, keys: list[int] | None = None) -> Flight:
+              at_ms: float, max_tokens: int, chunk: int = 0, *, keys: list[int]) -> Flight:
         """A call to `replica` reaching it at `at_ms`, with the gateway's lease on it (upstream.py
         `Lease`: in flight, routed, its uncached tokens as pending prefill work); with `chunk`, the
         call generates the first chunk of the answer. `keys`: the prompt's block keys the router
-        computed, which are the engine's too (a twin engine hashes as the gateway does)."""
+        used, which are the engine's too (a twin engine keys blocks as the gateway does)."""
         backend = replica.backend
         backend.inflight += 1
         backend.routed += 1
@@ -278,8 +280,7 @@ class Cluster:
         tokens = prompt.tokens
         out = self.sampler.draw(tokens, max_tokens) if self.sampler is not None else [_OUTPUT_TOKEN] * max_tokens
         flight = Flight(prompt, sent_ms, replica,
-                        Request(rid, tokens, out[:chunk] if chunk else out,
-                                list(keys) if keys is not None else replica.sched.prompt_keys(tokens)),
+                        Request(rid, tokens, out[:chunk] if chunk else out, list(keys)),
                         prefill, work, record, user, chunk=chunk, total=max_tokens, out=out)
         self._flights[rid] = flight
         return flight
@@ -307,7 +308,11 @@ class Cluster:
         self._ids += 1
         rid = f"t{self._ids}"
         replica = f.replica
-        req = Request(rid, tokens, f.out[done:done + min(f.chunk, f.total - done)], replica.sched.prompt_keys(tokens))
+        # the keys of the call before cover a prefix of these tokens; the rest chain on from them
+        bs = replica.pool.block_size
+        keys = f.req.keys[:len(tokens) // bs]
+        keys += block_keys(tokens[len(keys) * bs:], bs, keys[-1] if keys else ROOT)
+        req = Request(rid, tokens, f.out[done:done + min(f.chunk, f.total - done)], keys)
         nxt = Flight(f.prompt, f.sent_ms, replica, req, f.prefill, f.work, f.record, f.user, f.last_ms, f.gap_sum,
                      f.gap_n, f.gap_max, chunk=f.chunk, done=done, total=f.total, out=f.out)
         self._flights[rid] = nxt
@@ -350,7 +355,8 @@ class Cluster:
         at = now + self.info.request_overhead_ms
         # the decode call's lease: the prompt beyond the decode replica's predicted prefix (exchange.py `work`)
         work = max(len(f.prompt.tokens) - (f.record.predicted_tokens or 0), 0)
-        d = self._call(f.prompt, f.sent_ms, decode, work, f.record, f.user, at, f.prompt.max_tokens)
+        keys = f.req.keys[:len(f.prompt.tokens) // decode.pool.block_size]   # the prefill call's prompt keys
+        d = self._call(f.prompt, f.sent_ms, decode, work, f.record, f.user, at, f.prompt.max_tokens, keys=keys)
         d.offered = len(offered(f.replica.pool, f.req))
         self._push(at, SUBMIT, d)
 

@@ -6,7 +6,8 @@ the live gateway routes on and the simulator computes). A Mooncake trace is diff
 assembled from per-block token ids inside the chat template's head and tail, each block a window
 (at an offset given by its hash id) of a seeded pool of the single-token words' ids the trace
 workload builds its text from. Token counts and the prefix structure are the trace's; the ids are not those of the live
-run's text (they need not be: only which prompts share which blocks matters to a cache).
+run's text (they need not be: only which prompts share which blocks matters to a cache), and
+their block keys come from that structure instead of from hashing the ids (keys.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from kvlab.gateway.tokens import PromptTokenizer
+from kvlab.kvcache.hashing import block_keys
 from kvlab.load.workloads import Workload
 from kvlab.load.workloads.trace import Trace, TraceRow, _single_token_words
+from kvlab.twin.keys import TraceKeys
 
 _MARK = "\x00twin\x00"
 _POOL = 1 << 20   # random word ids trace blocks are windows of
@@ -35,6 +38,8 @@ class Prompt:
     session: int
     step: int
     pause_s: float = 0.0
+    row: TraceRow | None = None   # a trace prompt: its row, and the round of the trace it is sent in
+    round_: int = 0
 
 
 class Feed:
@@ -47,6 +52,7 @@ class Feed:
         head, _, tail = self.tok.tok.render_chat([{"role": "user", "content": _MARK}]).partition(_MARK)
         self._head = self.tok.encode_text(head, False)[0]
         self._tail = self.tok.encode_text(tail, False)[0]
+        self._keys: TraceKeys | None = None
 
     def sessions(self) -> Iterator[list[Prompt]]:
         """The endless stream of sessions, each a list of prompts sent in order."""
@@ -57,12 +63,21 @@ class Feed:
             yield [Prompt(self.tok.encode_chat(r.messages)[0], r.max_tokens, r.group, n, i, r.pause_s)
                    for i, r in enumerate(session)]
 
+    def block_keys(self, prompt: Prompt, block_size: int) -> list[int]:
+        """The keys of the prompt's full blocks: a trace prompt's from its structure (keys.py), any
+        other's hashed as the gateway hashes them."""
+        if prompt.row is None or self._keys is None or not isinstance(self.workload, Trace):
+            return block_keys(prompt.tokens, block_size)
+        return self._keys.keys(prompt.row.hash_ids, prompt.round_, trace_prompt_tokens(self.workload, prompt.row),
+                               prompt.tokens, block_size)
+
     def _trace(self, trace: Trace) -> Iterator[list[Prompt]]:
+        self._keys = TraceKeys(len(self._head), trace.block_tokens, [row.hash_ids for row in trace.rows])
         n, round_ = 0, 0
         while True:
             for row in trace.rows:
                 yield [Prompt(self._trace_tokens(trace, row, round_), trace_max_tokens(trace, row),
-                              f"h{row.hash_ids[0]}", n, 0)]
+                              f"h{row.hash_ids[0]}", n, 0, row=row, round_=round_)]
                 n += 1
             round_ += 1
 
@@ -76,7 +91,10 @@ class Feed:
         if not self._pool:
             ids = np.asarray(sorted({self.tok.tok.encode(" " + w)[0] for w in _single_token_words()}))
             rng = np.random.default_rng(trace.seed)
-            self._pool = ids[rng.integers(0, len(ids), _POOL + size)].tolist()
+            # one int object per word, shared by every window: copying a prompt's ids then touches a
+            # few hundred objects, not a million
+            words = ids.tolist()
+            self._pool = list(map(words.__getitem__, rng.integers(0, len(ids), _POOL + size).tolist()))
         tokens = trace_prompt_tokens(trace, row)
         out = list(self._head)
         for h in row.hash_ids:

@@ -1,0 +1,73 @@
+"""A trace prompt's block keys from its structure, in place of hashing its tokens.
+
+A trace prompt (feed.py) is the chat template's head, then the token windows its hash ids stand
+for, cut to its length, then the template's tail. The trace's ids are chained: requests that
+share a leading run of ids share that prefix. So a block's tokens, and every token before them,
+are fixed by where the block ends:
+
+- in the head: by its place alone (every prompt has the same head);
+- in a trace block: by the send round, the chain of ids up to that block, and the block's place in it;
+- in the tail: by the prompt's length too. From the first such block on, keys are the gateway's
+  hash (`hashing.block_keys`), chained on from the last structural key.
+
+Equal keys mean equal prefixes, as with hashing, so the twin's figures are the same
+(tests/test_twin_keys.py compares the two key sets). Below `MIN_BLOCK` tokens a block is hashed
+all the same: the trace's windows are drawn from a few hundred words, so two windows of different
+ids would too often begin with the same token or two. The keys differ in one
+way: they are small integers, and a prompt's new blocks get consecutive ones. Python hashes a
+small integer to itself, so every dict a block passes through (the pools' caches, the index's
+tables) is read and written next to where it was last touched, not at a random place, as
+64-bit hashes are. That made 16 × 3,000 conversation requests 1.3× faster (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvlab.kvcache.hashing import ROOT, block_keys
+
+MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
+
+
+class TraceKeys:
+    """Block keys of one trace's prompts. `head`: the template's tokens before the trace's;
+    `trace_block`: tokens per trace block; `ids`: every prompt's hash ids (for the key ranges)."""
+
+    def __init__(self, head: int, trace_block: int, ids: Sequence[Sequence[int]]) -> None:
+        self.head = head
+        self.trace_block = trace_block
+        self._low = min(min(row) for row in ids)
+        self._stride = max(max(row) for row in ids) - self._low + 1
+        self._chains = sum(len(row) for row in ids)   # no more distinct chains than ids
+        self._nodes: dict[int, int] = {}   # (the chain before, the id) as one int -> the chain's number
+
+    def keys(self, ids: Sequence[int], round_: int, trace_tokens: int, tokens: Sequence[int],
+             block_size: int) -> list[int]:
+        """The keys of every full block of `tokens`: a prompt of the ids `ids` sent in round `round_`,
+        holding `trace_tokens` of the trace's tokens between the head and the tail."""
+        head, size, bs = self.head, self.trace_block, block_size
+        if bs < MIN_BLOCK:
+            return block_keys(tokens, bs)
+        in_head = head // bs
+        keys = list(range(1, in_head + 1))
+        first = in_head + 1
+        places = (size - 1) // bs + 1          # block ends one trace block can hold, at most
+        nodes, stride, low = self._nodes, self._stride, self._low
+        chain = 0
+        for i, h in enumerate(ids):
+            start = i * size
+            if start >= trace_tokens:
+                break
+            at = chain * stride + h - low
+            node = nodes.get(at)
+            if node is None:
+                node = nodes[at] = len(nodes)
+            chain = node + 1
+            # the blocks whose last token is in this trace block (ends at multiples of bs)
+            lo = -(-(head + start + 1) // bs)
+            hi = (head + min(start + size, trace_tokens)) // bs
+            if hi >= lo:
+                base = first + (round_ * self._chains + node) * places - (head + start) // bs
+                keys.extend(range(base + lo - 1, base + hi))
+        keys.extend(block_keys(tokens[len(keys) * bs:], bs, keys[-1] if keys else ROOT))
+        return keys

@@ -1,0 +1,77 @@
+"""The twin keys a trace's prompts by their structure (twin/keys.py): the keys must say two
+blocks are equal exactly when hashing their tokens says so, for any block size and token scale."""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import islice
+
+import pytest
+
+from kvlab.kvcache.hashing import block_keys
+from kvlab.load.workloads import create
+from kvlab.load.workloads.trace import Trace
+from kvlab.twin.feed import Feed
+
+
+def _rows(n: int, seed: int = 7) -> list[dict[str, object]]:
+    """Sessions that grow turn by turn (each turn a prefix of the next), prompts that branch off a
+    shared prefix, ids reused under another prefix, lengths that end inside a block."""
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    chains: list[list[int]] = [[0, 1]]
+    fresh = 2
+    for i in range(n):
+        base = rng.choice(chains)
+        if rng.random() < 0.2:
+            ids = [rng.randrange(fresh)] + base[1:]           # an old id under a prefix it never had
+        else:
+            ids = base[:rng.randint(1, len(base))] + list(range(fresh, fresh + rng.randint(0, 3)))
+        fresh += 4
+        chains.append(ids)
+        tokens = rng.randint(512 * (len(ids) - 1) + 1, 512 * len(ids))
+        rows.append({"timestamp": i * 100, "input_length": tokens, "output_length": 4, "hash_ids": ids})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(60)))
+    return path
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_structural_keys_match_exactly_when_hashed_tokens_do(trace_path, scale):
+    feed = Feed(Trace(seed=3, params={"path": str(trace_path), "token_scale": scale}))
+    prompts = [p for session in islice(feed.sessions(), 150) for p in session]   # the trace 2.5 times
+    assert {p.round_ for p in prompts} == {0, 1, 2}
+    for bs in (8, 16, 48, 512, 1000):
+        by_key: dict[int, int] = {}
+        by_hash: dict[int, int] = {}
+        for p in prompts:
+            keys, hashed = feed.block_keys(p, bs), block_keys(p.tokens, bs)
+            assert len(keys) == len(hashed) == len(p.tokens) // bs
+            for k, h in zip(keys, hashed):
+                assert by_key.setdefault(k, h) == h, f"one key for two different prefixes (bs {bs})"
+                assert by_hash.setdefault(h, k) == k, f"two keys for one prefix (bs {bs})"
+        assert len(by_key) > 0.25 * sum(len(p.tokens) // bs for p in prompts)   # not one long shared prefix
+    # a block of a few tokens is hashed: windows of a few hundred words often begin alike
+    assert all(feed.block_keys(p, 2) == block_keys(p.tokens, 2) for p in prompts[:5])
+
+
+def test_a_prompts_new_blocks_get_consecutive_small_keys(trace_path):
+    feed = Feed(Trace(seed=3, params={"path": str(trace_path)}))
+    first = next(feed.sessions())[0]
+    assert first.row is not None
+    keys = feed.block_keys(first, 16)
+    inside = (len(feed._head) + first.row.input_length) // 16   # the blocks before the template's tail
+    assert keys[:inside] == list(range(1, inside + 1))
+
+
+def test_other_workloads_are_hashed_as_the_gateway_hashes_them():
+    feed = Feed(create("multi-turn"))
+    prompt = next(feed.sessions())[0]
+    assert prompt.row is None
+    assert feed.block_keys(prompt, 16) == block_keys(prompt.tokens, 16)
