@@ -1,5 +1,6 @@
 """The twin keys a trace's prompts by their structure (twin/keys.py): the keys must say two
-blocks are equal exactly when hashing their tokens says so, for any block size and token scale."""
+blocks are equal exactly when hashing their tokens says so, for any block size and token scale,
+except where the windows of two different ids coincide: there the keys follow the ids."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.workloads import create
 from kvlab.load.workloads.trace import Trace
+from kvlab.twin import feed as feed_module
 from kvlab.twin.feed import Feed
 
 
@@ -59,6 +61,20 @@ def test_structural_keys_match_exactly_when_hashed_tokens_do(trace_path, scale):
         assert len(by_key) > 0.25 * sum(len(p.tokens) // bs for p in prompts)   # not one long shared prefix
     # a block of a few tokens is hashed: windows of a few hundred words often begin alike
     assert all(feed.block_keys(p, 2) == block_keys(p.tokens, 2) for p in prompts[:5])
+
+
+def test_where_two_ids_windows_coincide_the_keys_follow_the_ids(tmp_path, monkeypatch):
+    monkeypatch.setattr(feed_module, "_POOL", 1)   # one window: every id's tokens are the same
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": ids})
+                            + "\n" for ids in ([1, 2], [3, 4])))
+    feed = Feed(Trace(seed=3, params={"path": str(path)}))
+    a, b = (s[0] for s in islice(feed.sessions(), 2))
+    past_head = (len(feed._head) + 512) // 16       # the blocks through the first trace block
+    assert block_keys(a.tokens, 16)[:past_head] == block_keys(b.tokens, 16)[:past_head]
+    ka, kb = feed.block_keys(a, 16), feed.block_keys(b, 16)
+    shared = len(feed._head) // 16
+    assert ka[:shared] == kb[:shared] and ka[shared] != kb[shared]
 
 
 def test_a_prompts_new_blocks_get_consecutive_small_keys(trace_path):

@@ -101,7 +101,8 @@ class Feed:
             if len(out) - len(self._head) >= tokens:
                 break
             # a window of a seeded pool of random word ids, at an offset fixed by the block's id: the
-            # same id gives the same ids, two ids differ (a cache of every block would hold gigabytes)
+            # same id gives the same ids, two ids almost always differ (a cache of every block would
+            # hold gigabytes); the block keys follow the ids even where two windows coincide (keys.py)
             at = hash((trace.seed, round_, h)) % (len(self._pool) - size)
             out.extend(self._pool[at:at + size])
         del out[len(self._head) + tokens:]

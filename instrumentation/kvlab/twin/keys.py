@@ -10,14 +10,19 @@ are fixed by where the block ends:
 - in the tail: by the prompt's length too. From the first such block on, keys are the gateway's
   hash (`hashing.block_keys`), chained on from the last structural key.
 
-Equal keys mean equal prefixes, as with hashing, so the twin's figures are the same
-(tests/test_twin_keys.py compares the two key sets). Below `MIN_BLOCK` tokens a block is hashed
-all the same: the trace's windows are drawn from a few hundred words, so two windows of different
-ids would too often begin with the same token or two. The keys differ in one
-way: they are small integers, and a prompt's new blocks get consecutive ones. Python hashes a
+Equal keys mean equal prefixes, as with hashing (tests/test_twin_keys.py compares the two key
+sets), with one difference, where the keys follow the trace: the feed's windows come from one
+pool of a million word ids, so the windows of two different ids sometimes coincide, and their
+hashed tokens would then share blocks the trace says differ (100,000 requests of the synthetic
+trace, 26 rounds of it: 3,239 prompts' first window equals another id's; none in 10,000 of the
+conversation trace). Below `MIN_BLOCK` tokens a block is hashed all the same: the windows hold a
+few hundred distinct words, so two windows of different ids would too often begin with the same
+token or two.
+
+Why: the keys are small integers, and a prompt's new blocks get consecutive ones. Python hashes a
 small integer to itself, so every dict a block passes through (the pools' caches, the index's
-tables) is read and written next to where it was last touched, not at a random place, as
-64-bit hashes are. That made 16 × 3,000 conversation requests 1.3× faster (docs/benchmarks.md).
+tables) is read and written next to where it was last touched, not at a random place as with
+64-bit hashes: the twin runs 1.5x faster for it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
