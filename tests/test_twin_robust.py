@@ -14,9 +14,11 @@ from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.errors import TwinError
 from kvlab.load.summary import read_summary
 from kvlab.twin import cli, cluster, runner
+from kvlab.twin.feed import Feed
 from kvlab.twin.progress import RunProgress
 from kvlab.twin.runner import Stopped, plans, run
 from kvlab.twin.settings import TwinSettings, resolve
+from kvlab.twin.workers import Interrupt
 
 
 def _trace(tmp_path, lengths: list[int]) -> str:
@@ -122,6 +124,26 @@ def test_policies_side_by_side_give_the_figures_of_one_after_another(tmp_path):
     assert tables[0] == tables[1]
     [section] = tables[1].values()
     assert [r["router"] for r in section["routers"]] == ["round-robin", "kv-aware", "prefix"]   # as asked
+
+
+def test_sigterm_inside_the_chat_template_still_stops_the_run_with_what_had_finished(monkeypatch):
+    """A signal lands anywhere: in the chat template too, whose own errors are the request's (a 400);
+    the stop must not be taken for one, or the run's part would be lost."""
+    plan = resolve(TwinSettings(replicas=2, requests=200))
+    feed = Feed(plan.workload)
+    hf = feed.tok.tok.hf
+    real, calls = hf.apply_chat_template, [0]
+
+    def apply(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 60:
+            raise Interrupt("SIGTERM")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "apply_chat_template", apply)
+    with pytest.raises(Stopped, match="stopped by Interrupt") as stopped:
+        run(plan, feed=feed)
+    assert stopped.value.result.summary.partial and stopped.value.result.records
 
 
 def test_sigterm_stops_every_policy_running_side_by_side_and_writes_their_parts(monkeypatch, tmp_path):

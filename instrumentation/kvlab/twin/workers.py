@@ -36,8 +36,10 @@ MAX_DEFAULT_JOBS = 4    # each process holds its own memory (16 x 10,000 convers
 _FORKS = "fork" in multiprocessing.get_all_start_methods()   # not on Windows
 
 
-class Interrupt(Exception):
-    """Raised into the work by a signal handler (SIGTERM) to stop it where it is."""
+class Interrupt(BaseException):
+    """Raised into the work by a signal handler (SIGTERM) to stop it where it is. Like
+    KeyboardInterrupt, not an Exception: the signal can land inside code that takes any Exception
+    for its own error (the chat template's rendering answers it with a 400)."""
 
 
 def default_jobs() -> int:
