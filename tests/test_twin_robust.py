@@ -158,6 +158,27 @@ def test_sigterm_stops_every_policy_running_side_by_side_and_writes_their_parts(
     assert (out / "compare.json").exists()
 
 
+def test_a_policy_that_fails_when_told_to_stop_is_named_and_the_others_are_written(monkeypatch, tmp_path, capsys):
+    real = runner.run
+
+    def fails_on_the_way_out(plan, **kwargs):
+        try:
+            return real(plan, **kwargs)
+        except Stopped:
+            if plan.policy.name == "round-robin":
+                raise RuntimeError("lost on the way out") from None
+            raise
+
+    monkeypatch.setattr(runner, "run", fails_on_the_way_out)
+    _sigterm_once(monkeypatch, lambda reports: min(reports.get("round-robin", 0), reports.get("kv-aware", 0)) >= 20)
+    out = tmp_path / "run"
+    assert cli.main(["--policies", "round-robin,kv-aware", "--replicas", "2", "--requests", "4000", "--jobs", "2",
+                     "--run-dir", str(out)]) == 143
+    err = capsys.readouterr().err
+    assert "stopped by Interrupt; the round-robin run raised RuntimeError: lost on the way out instead of stopping" in err
+    assert read_summary(out / "kv-aware" / "summary.json").partial and not (out / "round-robin").exists()
+
+
 def test_a_policy_whose_process_dies_is_named_and_the_others_are_written(monkeypatch, tmp_path, capsys):
     real = runner.run
 

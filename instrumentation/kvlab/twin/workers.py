@@ -54,18 +54,23 @@ def default_jobs() -> int:
 @dataclass(slots=True)
 class Ended:
     """What the work left: each item's value by index, the items whose process died without one
-    (its exit code), and the Ctrl-C or SIGTERM that stopped this command (None: none did)."""
+    (its exit code), the items that raised rather than stop when told to (what they raised), and
+    the Ctrl-C or SIGTERM that stopped this command (None: none did)."""
 
     values: dict[int, Any] = field(default_factory=dict)
     died: dict[int, int | None] = field(default_factory=dict)
+    raised: dict[int, str] = field(default_factory=dict)
     signal: int | None = None
 
     def cut_short(self, name: Callable[[int], str]) -> tuple[str, BaseException] | None:
         """Why the work ended early, and the exception that stands for it: the signal that stopped
-        this command, else the first item (named by `name(index)`) whose process died; None: neither."""
+        this command (and each item, named by `name(index)`, whose part it lost), else the first
+        item whose process died; None: neither."""
         if self.signal is not None:
             cause = stopped_by(self.signal)
-            return f"stopped by {type(cause).__name__}", cause
+            lost = [f"the {name(i)} run ended without a result (exit code {code})" for i, code in self.died.items()]
+            lost += [f"the {name(i)} run raised {what} instead of stopping" for i, what in self.raised.items()]
+            return "; ".join([f"stopped by {type(cause).__name__}", *lost]), cause
         for i, code in self.died.items():
             why = f"the {name(i)} run ended without a result (exit code {code})"
             return why, TwinError(why)
@@ -130,6 +135,8 @@ def side_by_side(items: Sequence[T], work: Callable[[T, Report], Any], on_report
                         more = on_value(p.index, msg[1]) and more
                     elif not stop:
                         raise _raised(label(items[p.index]), *msg[1:])
+                    elif msg[1] not in _STOPS:   # told to stop, it failed instead: its part is lost, and said so
+                        ended.raised[p.index] = f"{msg[1]}: {msg[2]}"
     finally:
         for p in procs.values():   # only after a second Ctrl-C or a failed item
             p.process.kill()
@@ -157,10 +164,13 @@ def _signals_noted(stop: list[int]) -> contextlib.AbstractContextManager[None]:
     return signals_handled(note, signal.SIGTERM, *(() if ignored else (signal.SIGINT,)))
 
 
+_STOPS = ("Stopped", "KeyboardInterrupt", "Interrupt")   # what work raises when it stops as told
+
+
 def _raised(label: str, kind: str, message: str, trace: str) -> Exception:
     if kind == "ConfigError":
         return ConfigError(message)
-    if kind in ("TwinError", "Stopped", "KeyboardInterrupt", "Interrupt"):
+    if kind == "TwinError" or kind in _STOPS:
         return TwinError(message or f"stopped by {kind}")
     return RuntimeError(f"the {label} run failed:\n{trace}")
 
