@@ -40,3 +40,10 @@ def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT, seed:
         prev = hash((prev, block)) & U64
         append(prev)
     return keys
+
+
+def continue_keys(keys: list[int], tokens: Sequence[int], block_size: int) -> list[int]:
+    """`keys`, the keys of the first full blocks of `tokens`, extended in place to every full block
+    (the rest chained on from the last of them)."""
+    keys.extend(block_keys(tokens[len(keys) * block_size:], block_size, keys[-1] if keys else ROOT))
+    return keys

@@ -43,7 +43,7 @@ from kvlab.gateway.router import Router
 from kvlab.gateway.scheduler import presets
 from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.events import Event
-from kvlab.kvcache.hashing import ROOT, block_keys
+from kvlab.kvcache.hashing import continue_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
@@ -309,9 +309,7 @@ class Cluster:
         rid = f"t{self._ids}"
         replica = f.replica
         # the keys of the call before cover a prefix of these tokens; the rest chain on from them
-        bs = replica.pool.block_size
-        keys = f.req.keys[:len(tokens) // bs]
-        keys += block_keys(tokens[len(keys) * bs:], bs, keys[-1] if keys else ROOT)
+        keys = continue_keys(f.req.keys[:len(tokens) // replica.pool.block_size], tokens, replica.pool.block_size)
         req = Request(rid, tokens, f.out[done:done + min(f.chunk, f.total - done)], keys)
         nxt = Flight(f.prompt, f.sent_ms, replica, req, f.prefill, f.work, f.record, f.user, f.last_ms, f.gap_sum,
                      f.gap_n, f.gap_max, chunk=f.chunk, done=done, total=f.total, out=f.out)

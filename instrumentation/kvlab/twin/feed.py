@@ -66,8 +66,9 @@ class Feed:
     def block_keys(self, prompt: Prompt, block_size: int) -> list[int]:
         """The keys of the prompt's full blocks: a trace prompt's from its structure (keys.py), any
         other's hashed as the gateway hashes them."""
-        if prompt.row is None or self._keys is None or not isinstance(self.workload, Trace):
+        if prompt.row is None or self._keys is None:
             return block_keys(prompt.tokens, block_size)
+        assert isinstance(self.workload, Trace)   # only a trace's prompts have a row
         return self._keys.keys(prompt.row.hash_ids, prompt.round_, trace_prompt_tokens(self.workload, prompt.row),
                                prompt.tokens, block_size)
 

@@ -22,14 +22,15 @@ token or two.
 Why: the keys are small integers, and a prompt's new blocks get consecutive ones. Python hashes a
 small integer to itself, so every dict a block passes through (the pools' caches, the index's
 tables) is read and written next to where it was last touched, not at a random place as with
-64-bit hashes: the twin runs 1.5x faster for it (docs/benchmarks.md).
+64-bit hashes. With that, and the feed's words shared as one object each, the twin ran 1.5x
+faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.kvcache.hashing import ROOT, block_keys
+from kvlab.kvcache.hashing import block_keys, continue_keys
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
 
@@ -74,5 +75,4 @@ class TraceKeys:
             if hi >= lo:
                 base = first + (round_ * self._chains + node) * places - (head + start) // bs
                 keys.extend(range(base + lo - 1, base + hi))
-        keys.extend(block_keys(tokens[len(keys) * bs:], bs, keys[-1] if keys else ROOT))
-        return keys
+        return continue_keys(keys, tokens, bs)
