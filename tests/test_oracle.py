@@ -72,3 +72,38 @@ def test_workload_oracle_is_between_nothing_and_unbounded():
     big = oracle(reqs, 16, replicas=2, blocks_per_replica=10_000)
     unbounded = oracle(reqs, 16, replicas=2, blocks_per_replica=None)
     assert 0 < small.hit_rate < big.hit_rate == unbounded.hit_rate < 1
+
+
+def belady_by_hand(keys: list[int], cap: int) -> int:
+    """Block hits of Belady with bypass, simulated one access at a time: after each access the
+    block stays only if it is used again, evicting the cached block needed farthest ahead when
+    that one is needed later than it."""
+    def next_use(i: int) -> float:
+        return next((j for j in range(i + 1, len(keys)) if keys[j] == keys[i]), float("inf"))
+    cached: dict[int, float] = {}   # key -> its next use
+    hits = 0
+    for i, k in enumerate(keys):
+        hits += k in cached
+        cached.pop(k, None)
+        nu = next_use(i)
+        if nu == float("inf") or cap <= 0:
+            continue
+        if len(cached) < cap:
+            cached[k] = nu
+            continue
+        far = max(cached, key=cached.__getitem__)
+        if cached[far] > nu:
+            del cached[far]
+            cached[k] = nu
+    return hits
+
+
+def test_ceiling_is_belady_at_every_capacity():
+    # from a cache too small to keep anything to one that never has to choose (where every reuse
+    # is a hit without simulating the cache)
+    rng = random.Random(5)
+    for trial in range(40):
+        keys = [rng.randrange(rng.randrange(2, 30)) for _ in range(rng.randrange(1, 120))]
+        reqs = [Prompt(len(keys[i:i + 3]) * BS, keys[i:i + 3]) for i in range(0, len(keys), 3)]
+        for cap in range(len(set(keys)) + 2):
+            assert ceiling(reqs, BS, cap).hit_tokens == belady_by_hand(keys, cap) * BS, (trial, cap)

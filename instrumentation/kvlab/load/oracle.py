@@ -70,8 +70,9 @@ def prompts(requests: Iterable[WorkloadRequest], block_size: int,
 def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None) -> Oracle:
     """Belady's block hits on one pooled cache of `capacity_blocks` (None: unbounded)."""
     prompt_tokens = sum(p.tokens for p in reqs)
-    n = sum(len(p.keys) for p in reqs)
-    seq = np.fromiter(itertools.chain.from_iterable(p.keys for p in reqs), dtype=np.uint64, count=n)
+    # a prompt's keys are read through the buffer protocol where they are an array('Q') (the twin's)
+    seq = np.concatenate([np.asarray(p.keys, dtype=np.uint64) for p in reqs]) if reqs else np.zeros(0, np.uint64)
+    n = len(seq)
     if capacity_blocks is None:   # every block seen before is a hit
         return Oracle(prompt_tokens, (n - len(np.unique(seq))) * block_size, block_size, None)
     return Oracle(prompt_tokens, _belady(_next_uses(seq), capacity_blocks) * block_size, block_size, capacity_blocks)
@@ -95,6 +96,14 @@ def _belady(nxt: np.ndarray[Any, np.dtype[np.int64]], capacity: int) -> int:
     n = len(nxt)
     if capacity <= 0:
         return 0
+    # the blocks waiting for their next use after each position; while they fit, Belady keeps them
+    # all and every reuse is a hit (usually so at a fleet's full size): no heap needed
+    reused = np.flatnonzero(nxt < n)
+    waiting = np.bincount(reused, minlength=n)
+    waiting -= np.bincount(nxt[reused], minlength=n)
+    if len(reused) == 0 or int(np.cumsum(waiting, out=waiting).max()) <= capacity:
+        return len(reused)
+    del waiting
     kept = bytearray(n)     # position -> its block is cached for this use
     heap: list[int] = []    # -(next use) per cached block; entries of past uses sink below the live ones
     size = hits = 0
