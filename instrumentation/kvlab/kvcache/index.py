@@ -79,10 +79,9 @@ class BlockTable:
             return
         masks = self._layer(speculative, offloaded)
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        # in C: every key's mask without the bit (an absent key reads 0); the keys left empty are
-        # dropped, the others (held elsewhere too, the fewer) rewritten
-        left = list(map(and_, map(masks.get, keys, repeat(0)), repeat(~b)))
-        deque(map(masks.pop, compress(keys, map(not_, left)), repeat(None)), maxlen=0)
+        # in C: every key popped with its mask (an absent key reads 0); the keys held elsewhere too
+        # (the fewer) are put back without the bit: one lookup a key, not two
+        left = list(map(and_, map(masks.pop, keys, repeat(0)), repeat(~b)))
         if any(left):
             masks.update(zip(compress(keys, left), filter(None, left)))
 
