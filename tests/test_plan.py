@@ -135,3 +135,9 @@ def test_a_dynamo_name_without_the_package_is_refused_naming_the_install(tmp_pat
                      "--policies", "round-robin,dynamo-kv-router", "--run-dir", str(tmp_path / "p")]) == 2
     assert dynamo.INSTALL in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "p").exists()
+
+
+def test_a_bad_flag_is_one_line_naming_the_setting(capsys):
+    assert cli.main(["--goodput-share", "3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == "kvlab plan: flags: Expected `float` <= 1.0 - at `$.goodput_share`"

@@ -98,3 +98,13 @@ def test_report_screenshot_is_not_blank(report, tmp_path):
     reds = sum(n for n, (r, g, b) in colors if r > 180 and g < 80 and b < 80)
     greens = sum(n for n, (r, g, b) in colors if g > 130 and r < 90 and b < 90)
     assert reds > 500 and greens > 500
+
+
+def test_throughput_over_days_of_virtual_time_keeps_its_bins_few():
+    # the twin's virtual time can span days (a sparse trace): 2-s bins over 10^12 s were terabytes
+    from kvlab.report.figures import throughput
+    recs = [Record(ts=t, e2e_ms=500.0, error=None) for t in (0.0, 10.0, 1e7)]
+    (line,) = throughput({"kv-aware": recs}).data
+    assert len(line.x) <= 2000 and sum(y * (line.x[1] - line.x[0]) for y in line.y) == pytest.approx(3)
+    (short,) = throughput({"kv-aware": recs[:2]}).data
+    assert short.x[1] - short.x[0] == 2.0   # runs under about an hour keep 2-s bins

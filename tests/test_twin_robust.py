@@ -8,16 +8,17 @@ import json
 import os
 import signal
 
+import msgspec
 import pytest
 
 from kvlab.engine.sim.scheduler import Batch, Scheduler
-from kvlab.errors import TwinError
+from kvlab.errors import ConfigError, TwinError
 from kvlab.load.summary import read_summary
 from kvlab.twin import cli, cluster, runner
 from kvlab.twin.feed import Feed
 from kvlab.twin.progress import RunProgress
 from kvlab.twin.runner import Stopped, plans, run
-from kvlab.twin.settings import TwinSettings, resolve
+from kvlab.twin.settings import Information, TwinSettings, resolve
 from kvlab.twin.workers import Interrupt
 
 
@@ -78,6 +79,59 @@ def test_the_watchdog_ends_a_livelock_with_an_error(monkeypatch, tmp_path, capsy
                      "--jobs", "2", "--run-dir", str(out)]) == 1
     assert "the twin stopped advancing" in capsys.readouterr().err and not (out / "prefix").exists()
 
+
+
+def _scrapes(monkeypatch) -> list[float]:
+    """The virtual times of the load view's scrapes, as the run makes them."""
+    times: list[float] = []
+    scrape = cluster.Cluster._next_scrape
+
+    def counted(self):
+        times.append(self.now_ms)
+        scrape(self)
+    monkeypatch.setattr(cluster.Cluster, "_next_scrape", counted)
+    return times
+
+
+def _every_interval(self) -> None:
+    """The scrapes without skipping: one every interval while anything is to come or in flight."""
+    if self._intake or self._flights:
+        self._scrape += 1
+        self._push(self._scrape * self.info.scrape_interval_ms, cluster.SCRAPE, None)
+
+
+def test_idle_virtual_time_costs_no_scrapes_and_changes_no_figure(monkeypatch):
+    # 20 requests with ~20 s between sends: a request takes well under a second, so the engines
+    # are idle almost all the time and a scrape every 200 ms would be ~2,000 events
+    settings = TwinSettings(replicas=2, requests=20, rate=0.05, arrival="constant", policy="kv-aware")
+    times = _scrapes(monkeypatch)
+    skipped = run(resolve(settings), oracle=False)
+    assert skipped.summary.ok == 20 and len(times) < 400, len(times)
+    # a request overhead of days is one idle stretch each, not millions of scrapes
+    times.clear()
+    days = run(resolve(TwinSettings(replicas=2, requests=5, users=1,
+                                    information=Information(request_overhead_ms=3e8))), oracle=False)
+    assert days.summary.ok == 5 and all(r.e2e_ms > 3e8 for r in days.records) and len(times) < 400, len(times)
+    monkeypatch.setattr(cluster.Cluster, "_next_scrape", _every_interval)
+    every = run(resolve(settings), oracle=False)
+    assert [msgspec.json.encode(r) for r in every.records] == [msgspec.json.encode(r) for r in skipped.records]
+
+
+def test_requests_left_in_flight_with_nothing_to_move_them_are_an_error(monkeypatch):
+    # a submit that never reaches its engine: no event is left, the requests still in flight
+    monkeypatch.setattr(cluster.Cluster, "_submit", lambda self, flight: None)
+    for scrape_ms in (0.0, 200.0):
+        with pytest.raises(Stopped) as stopped:
+            run(resolve(TwinSettings(replicas=2, requests=4, users=2,
+                                     information=Information(scrape_interval_ms=scrape_ms))), oracle=False)
+        assert "no event left that could finish the requests in flight" in stopped.value.why
+        assert "2 in flight" in stopped.value.why
+
+
+def test_a_scrape_interval_under_a_millisecond_is_refused():
+    with pytest.raises(ConfigError, match="scrape_interval_ms must be 0"):
+        resolve(TwinSettings(information=Information(scrape_interval_ms=0.001)))
+    resolve(TwinSettings(information=Information(scrape_interval_ms=0.0)))   # always fresh: fine
 
 def _sigterm_once(monkeypatch, when) -> None:
     """SIGTERM this process once `when(reports)` holds; `reports`: policy -> requests done, as the
@@ -217,3 +271,9 @@ def test_the_table_stays_whole_in_80_columns_of_a_log(tmp_path, capsys):
     [section] = rows.values()
     for r in section["routers"]:
         assert f"{r['hit_rate']:.3f}" in err   # every figure whole
+
+
+def test_a_bad_flag_is_one_line_naming_the_setting(capsys):
+    assert cli.main(["--requests", "0"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == "kvlab twin: flags: Expected `int` >= 1 - at `$.requests`"

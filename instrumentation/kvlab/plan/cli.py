@@ -93,7 +93,7 @@ def settings_of(args: argparse.Namespace) -> tuple[TwinSettings, Target]:
             raise ConfigError(f"--workload-params is not JSON: {exc}") from None
     slo = {"ttft_p90_ms": args.ttft_p90_ms, "ttft_p99_ms": args.ttft_p99_ms, "tpot_p90_ms": args.tpot_p90_ms,
            "goodput_share": args.goodput_share}
-    return convert(data, TwinSettings, "kvlab plan"), convert(slo, Target, "kvlab plan")
+    return convert(data, TwinSettings, "flags"), convert(slo, Target, "flags")
 
 
 def label(a: Answer) -> str:

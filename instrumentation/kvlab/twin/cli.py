@@ -45,7 +45,7 @@ from kvlab.twin.workers import Interrupt, default_jobs
 # flag -> Information field
 _INFO_FLAGS = {"kv_event_delay_ms": "KV events reach the index this long after the engine step (ms)",
                "kv_event_batch_ms": "KV events applied in windows of this length (ms; 0: per engine step)",
-               "scrape_interval_ms": "load view scraped this often (ms; 0: always fresh)",
+               "scrape_interval_ms": "load view scraped this often (ms; 0: always fresh; else at least 1)",
                "speculative_ttl_s": "speculative blocks' TTL (s; default: the policy's; 0: off)",
                "tokenize_ms_per_1k": "gateway tokenization cost per 1,000 prompt tokens (ms)",
                "request_overhead_ms": "fixed client-to-engine cost per request (ms)"}
@@ -123,7 +123,7 @@ def settings_of(args: argparse.Namespace) -> TwinSettings:
     if args.perfect:
         info["perfect"] = True
     data["information"] = info
-    return convert(data, TwinSettings, args.config or "kvlab twin")
+    return convert(data, TwinSettings, args.config or "flags")
 
 
 def jobs_of(n: int | None) -> int:

@@ -30,6 +30,7 @@ from kvlab.twin.fit import Fit, fitting_profile, request_lengths
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 MAX_REPLICAS = 128
+MIN_SCRAPE_MS = 1.0   # the finest load-view scrape interval (0, always fresh, is the limit of finer ones)
 
 
 class Information(Strict, frozen=True):
@@ -175,6 +176,10 @@ def resolve(s: TwinSettings) -> Plan:
         if s.arrival not in ("poisson", "constant"):
             raise ConfigError(f"stages send poisson or constant arrivals (got {s.arrival!r})")
         s = msgspec.structs.replace(s, requests=bound(s.stages))
+    scrape = s.information.scrape_interval_ms
+    if 0 < scrape < MIN_SCRAPE_MS:   # a scrape is an event: a finer one would crawl through virtual time
+        raise ConfigError(f"scrape_interval_ms must be 0 (always fresh) or at least {MIN_SCRAPE_MS:g} ms "
+                          f"(got {scrape:g})")
     trace_timing = wname == "trace" and s.users is None and s.rate is None
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
     users = s.users if s.users is not None else (None if rate or trace_timing or s.stages else 8)
