@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import sys
+import warnings
 
 import msgspec
 import pytest
@@ -141,3 +142,22 @@ def test_a_bad_flag_is_one_line_naming_the_setting(capsys):
     assert cli.main(["--goodput-share", "3"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert err == "kvlab plan: flags: Expected `float` <= 1.0 - at `$.goodput_share`"
+
+
+def test_a_probe_mostly_errors_is_infinite_in_the_lines_and_null_in_plan_json(tmp_path, capsys):
+    # a quarter of the requests over cpu-tiny's 8,192 tokens: answered 400, their TTFT infinite
+    lengths = [20_000 if i % 4 == 0 else 500 for i in range(20)]
+    rows = [{"timestamp": i * 1000, "input_length": n, "output_length": 4,
+             "hash_ids": list(range(i * 50, i * 50 + -(-n // 512)))} for i, n in enumerate(lengths)]
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "p"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["--trace", str(trace), "--requests", "20", "--profile", "cpu-tiny", "--policies",
+                         "round-robin", "--max-replicas", "2", "--run-dir", str(out)]) == 0
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]   # no inf - inf from numpy
+    lines = " ".join(capsys.readouterr().err.split())
+    assert "TTFT p90 ∞ (errors)" in lines and "nan" not in lines
+    answers = json.loads((out / "plan.json").read_text(), parse_constant=pytest.fail)["answers"]
+    assert answers["round-robin"]["replicas"] is None and answers["round-robin"]["probes"][0]["ttft_p90_ms"] is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -100,9 +101,14 @@ def label(a: Answer) -> str:
     return f"{a.policy} (peer)" if a.peer else a.policy
 
 
+def _ms(v: float, digits: int = 0) -> str:
+    """A percentile in ms; one that falls among the errors (infinite) says so."""
+    return f"{v:,.{digits}f} ms" if math.isfinite(v) else "∞ (errors)"
+
+
 def probe_line(policy: str, p: Probe) -> str:
-    return (f"{policy} · {p.replicas} replicas: TTFT p90 {p.ttft_p90_ms:,.0f} ms, p99 {p.ttft_p99_ms:,.0f} ms, "
-            f"TPOT p90 {p.tpot_p90_ms:,.1f} ms, goodput {p.goodput:.0%}, {p.errors} errors → "
+    return (f"{policy} · {p.replicas} replicas: TTFT p90 {_ms(p.ttft_p90_ms)}, p99 {_ms(p.ttft_p99_ms)}, "
+            f"TPOT p90 {_ms(p.tpot_p90_ms, 1)}, goodput {p.goodput:.0%}, {p.errors} errors → "
             f"{'meets' if p.met else 'misses'} the SLO ({p.wall_s:.1f} s)")
 
 
@@ -225,7 +231,8 @@ def main(argv: list[str]) -> int:
     if replays:
         doc["dynamo"] = {"source": dynamo.source(), "engine": dynamo.engine_args(first),
                          "answer": dynamo_answer(answers)}
-    (run_dir / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    # strict JSON: a percentile among the errors (infinite) is null
+    (run_dir / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc, enc_hook=str), indent=2) + b"\n")
     figure(answers, slo).write_html(run_dir / "plan.html", include_plotlyjs="cdn")
     source = "the twin; the (peer) rows from Dynamo's replay" if replays else "the twin"
     console.print(f"[green]wrote[/green] {run_dir / 'plan.html'} and plan.json ({wall:.0f} s; figures from {source})")

@@ -10,6 +10,7 @@ offline (twin/dynamo.py) on the same trace rows: another simulator's answer besi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -84,7 +85,12 @@ class Answer:
 
 
 def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+    """The q-th percentile; infinite where it falls among the errors' (infinite) values."""
+    if not values:
+        return 0.0
+    with np.errstate(invalid="ignore"):   # inf - inf, between two errors: nan
+        v = float(np.percentile(np.asarray(values), q))
+    return math.inf if math.isnan(v) else v
 
 
 def judge(records: list[Record], slo: Target, replicas: int, wall_s: float) -> Probe:
