@@ -161,3 +161,8 @@ def test_a_probe_mostly_errors_is_infinite_in_the_lines_and_null_in_plan_json(tm
     assert "TTFT p90 ∞ (errors)" in lines and "nan" not in lines
     answers = json.loads((out / "plan.json").read_text(), parse_constant=pytest.fail)["answers"]
     assert answers["round-robin"]["replicas"] is None and answers["round-robin"]["probes"][0]["ttft_p90_ms"] is None
+
+
+def test_the_max_model_length_the_cache_check_names_is_a_flag(capsys):
+    assert cli.main(["--num-blocks", "100", "--max-model-len", "4096"]) == 2
+    assert "--max-model-len 4096 exceeds the KV cache (100 blocks x 16 tokens" in " ".join(capsys.readouterr().err.split())

@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="NAME",
                    help="latency profile (default as kvlab twin: one that holds the trace)")
     p.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks per replica (default: the profile's)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="longest request a replica takes; longer ones are answered 400 (default: the profile's)")
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, metavar="N",
                    help=f"requests per probe (default {DEFAULT_REQUESTS})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="NAMES",
@@ -84,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
 
 def settings_of(args: argparse.Namespace) -> tuple[TwinSettings, Target]:
     data: dict[str, Any] = {"topology": args.topology, "requests": args.requests, "seed": args.seed}
-    for key in ("trace", "workload", "rate", "time_scale", "profile", "num_blocks"):
+    for key in ("trace", "workload", "rate", "time_scale", "profile", "num_blocks", "max_model_len"):
         if (value := getattr(args, key)) is not None:
             data[key] = value
     if args.workload_params is not None:
