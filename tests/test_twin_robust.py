@@ -16,6 +16,7 @@ from kvlab.errors import ConfigError, TwinError
 from kvlab.load.summary import read_summary
 from kvlab.twin import cli, cluster, runner
 from kvlab.twin.feed import Feed
+from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
 from kvlab.twin.runner import Stopped, plans, run
 from kvlab.twin.settings import Information, TwinSettings, resolve
@@ -50,6 +51,17 @@ def test_a_trace_with_no_profile_named_runs_on_a_shipped_profile_that_holds_it(t
     named = resolve(TwinSettings(trace=_trace(tmp_path, [600, 20_000]), replicas=2, requests=2, profile="cpu-tiny"))
     assert named.profile_name == "cpu-tiny" and named.fit is not None and named.fit.over == 1
 
+
+
+def test_a_trace_no_profile_holds_runs_on_the_profile_that_holds_the_most(tmp_path):
+    trace = _trace(tmp_path, [600, 20_000, 140_000])   # the last is over every shipped profile
+    plan = resolve(TwinSettings(trace=trace, replicas=2, requests=3))
+    assert plan.profile_name == "h100-llama3-8b" and plan.fit is not None and plan.fit.over == 1
+    assert plan.profile_reason is not None and "holds the most of the trace's requests (2 of 3" in plan.profile_reason
+    named = resolve(TwinSettings(trace=trace, replicas=2, requests=3, profile="cpu-tiny"))
+    assert named.fit is not None and named.fit.over == 2
+    note = describe(named.fit, "cpu-tiny") or ""
+    assert "no shipped profile holds the longest; profile h100-llama3-8b holds 2 of them" in note
 
 def test_a_max_model_length_over_the_kv_cache_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "run"

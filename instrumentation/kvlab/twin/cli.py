@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                         "replica brings its ranks; 1-128 endpoints in all")
     p.add_argument("--profile", metavar="NAME",
                    help="latency profile (default: the topology's; with --trace, the first shipped "
-                        "profile that holds the trace's longest request when the topology's does not)")
+                        "profile that holds the trace's longest request when the topology's does not, or "
+                        "the one that holds the most of its requests where none holds them all)")
     p.add_argument("--num-blocks", type=int, metavar="N",
                    help="KV blocks per replica (default: the topology's / profile's)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",

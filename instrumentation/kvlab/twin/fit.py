@@ -1,11 +1,12 @@
 """Which of a trace's requests a replica can hold, known before a run: vLLM's length rules
 (engine/sim/length.py) applied to the requests the twin will send. A request longer than the max
 model length is answered 400 in the run; this says so up front, and which shipped profile would
-hold every one (`kvlab twin --trace X` with no profile picks it)."""
+hold every one, or the most where none does (`kvlab twin --trace X` with no profile picks it)."""
 
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,17 +49,29 @@ def holds(profile: LatencyProfile, tokens: int) -> bool:
     return tokens <= profile.max_model_len <= profile.num_blocks * profile.block_size
 
 
-def fitting_profile(tokens: int) -> str | None:
-    """The first shipped profile (profiles.yaml order) that holds a request of `tokens`."""
-    return next((n for n, p in load_profiles(default_path()).items() if holds(p, tokens)), None)
+def roomiest_profile(lengths: list[int]) -> tuple[str, int]:
+    """The first shipped profile (profiles.yaml order) that holds the most of these requests (every
+    one, where some profile does), and how many it holds."""
+    ordered = sorted(lengths)
+    best = ("", -1)
+    for name, p in load_profiles(default_path()).items():
+        n = bisect_right(ordered, p.max_model_len) if holds(p, 0) else 0
+        if n > best[1]:
+            best = (name, n)
+    return best
 
 
 def describe(fit: Fit, profile: str) -> str | None:
     """The line printed before a run whose requests a replica cannot all hold; None when it can."""
     if not fit.over:
         return None
-    other = fitting_profile(fit.longest)
-    hint = (f"profile {other} holds every one (--profile {other})" if other
-            else "no shipped profile holds the longest")
-    return (f"{fit.over:,} of the {len(fit.lengths):,} requests exceed profile {profile}'s max model length "
+    other, n = roomiest_profile(fit.lengths)
+    if n == len(fit.lengths):
+        hint = f"profile {other} holds every one (--profile {other})"
+    elif other != profile and n > len(fit.lengths) - fit.over:
+        hint = f"no shipped profile holds the longest; profile {other} holds {n:,} of them (--profile {other})"
+    else:
+        hint = "no shipped profile holds the longest"
+    verb = "exceeds" if fit.over == 1 else "exceed"
+    return (f"{fit.over:,} of the {len(fit.lengths):,} requests {verb} profile {profile}'s max model length "
             f"({fit.max_model_len:,} tokens; the longest is {fit.longest:,}): each is answered 400; {hint}")

@@ -26,7 +26,7 @@ from kvlab.load.arrival import Arrival, arrival
 from kvlab.load.stages import Stage, bound
 from kvlab.load.workloads import Workload, create
 from kvlab.topology import SimSettings, Topology, builtin, load_topology
-from kvlab.twin.fit import Fit, fitting_profile, request_lengths
+from kvlab.twin.fit import Fit, request_lengths, roomiest_profile
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 MAX_REPLICAS = 128
@@ -147,9 +147,15 @@ def resolve(s: TwinSettings) -> Plan:
     name, reason = s.profile or topo.sim.profile, None
     if lengths and s.profile is None and s.max_model_len is None:
         longest = max(lengths)
-        if longest > topo.sim.max_model_len and (other := fitting_profile(longest)) is not None:
+        other, held = roomiest_profile(lengths)
+        own = sum(1 for n in lengths if n <= topo.sim.max_model_len)
+        if longest > topo.sim.max_model_len and held == len(lengths):
             name, reason = other, (f"the first shipped profile that holds the trace's longest request ({longest:,} "
                                    f"tokens; {topo.name}'s {topo.sim.profile} takes {topo.sim.max_model_len:,})")
+        elif held > own:   # none holds them all: the one that holds the most
+            name, reason = other, (f"the shipped profile that holds the most of the trace's requests ({held:,} of "
+                                   f"{len(lengths):,}; none holds the longest, {longest:,} tokens; {topo.name}'s "
+                                   f"{topo.sim.profile} holds {own:,})")
     profile = get_profile(name)
     sim = topo.sim
     if name != topo.sim.profile:   # another engine: its own sizes
