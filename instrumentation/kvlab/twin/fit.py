@@ -55,6 +55,7 @@ def roomiest_profile(lengths: list[int]) -> tuple[str, int]:
     ordered = sorted(lengths)
     best = ("", -1)
     for name, p in load_profiles(default_path()).items():
+        # every request up to its max model length, if its own KV cache takes that length at all
         n = bisect_right(ordered, p.max_model_len) if holds(p, 0) else 0
         if n > best[1]:
             best = (name, n)

@@ -147,15 +147,17 @@ def resolve(s: TwinSettings) -> Plan:
     name, reason = s.profile or topo.sim.profile, None
     if lengths and s.profile is None and s.max_model_len is None:
         longest = max(lengths)
-        other, held = roomiest_profile(lengths)
-        own = sum(1 for n in lengths if n <= topo.sim.max_model_len)
-        if longest > topo.sim.max_model_len and held == len(lengths):
-            name, reason = other, (f"the first shipped profile that holds the trace's longest request ({longest:,} "
-                                   f"tokens; {topo.name}'s {topo.sim.profile} takes {topo.sim.max_model_len:,})")
-        elif held > own:   # none holds them all: the one that holds the most
-            name, reason = other, (f"the shipped profile that holds the most of the trace's requests ({held:,} of "
-                                   f"{len(lengths):,}; none holds the longest, {longest:,} tokens; {topo.name}'s "
-                                   f"{topo.sim.profile} holds {own:,})")
+        if longest > topo.sim.max_model_len:   # the topology's profile does not hold them all
+            other, held = roomiest_profile(lengths)
+            own = len(lengths) - Fit(lengths, topo.sim.max_model_len).over
+            if held == len(lengths):
+                name, reason = other, (f"the first shipped profile that holds the trace's longest request "
+                                       f"({longest:,} tokens; {topo.name}'s {topo.sim.profile} takes "
+                                       f"{topo.sim.max_model_len:,})")
+            elif held > own:   # none holds them all: the one that holds the most
+                name, reason = other, (f"the shipped profile that holds the most of the trace's requests ({held:,} "
+                                       f"of {len(lengths):,}; none holds the longest, {longest:,} tokens; "
+                                       f"{topo.name}'s {topo.sim.profile} holds {own:,})")
     profile = get_profile(name)
     sim = topo.sim
     if name != topo.sim.profile:   # another engine: its own sizes
