@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+from itertools import takewhile
+
 import pytest
 
 from kvlab.config import convert
+from kvlab.engine.sim import freequeue
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.profile import LatencyProfile, load_profiles
 from kvlab.engine.sim.scheduler import FINISHED, Request, Scheduler
@@ -103,6 +108,91 @@ def test_duplicate_content_is_cached_once_and_reset_clears_everything():
     pool.reset()
     assert pool.take_events() == [AllBlocksCleared()]
     assert pool.num_cached == 0 and pool.cached_prefix(_keys(1)) == []
+
+
+class _LruByHand:
+    """The pool's eviction order kept one block at a time in an OrderedDict, as vLLM's free list
+    keeps it: freed blocks to the back, uncached ones to the front, reused ones taken out."""
+
+    def __init__(self, n: int) -> None:
+        self.ref, self.key = [0] * n, [None] * n
+        self.cached: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))
+
+    def hit(self, keys: list[int]) -> list[int]:
+        ids = list(takewhile(lambda i: i is not None, map(self.cached.get, keys)))
+        for i in ids:
+            if self.ref[i] == 0:
+                del self.free[i]
+            self.ref[i] += 1
+        return ids
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = [self.free.popitem(last=False)[0] for _ in range(n)]
+        for i in out:
+            if self.key[i] is not None:
+                del self.cached[self.key[i]]
+                self.key[i] = None
+            self.ref[i] = 1
+        return out
+
+    def cache(self, ids: list[int], keys: list[int]) -> None:
+        for i, k in zip(ids, keys):
+            if k not in self.cached:
+                self.cached[k], self.key[i] = i, k
+
+    def release(self, ids: list[int]) -> None:
+        for i in reversed(ids):
+            self.ref[i] -= 1
+            if self.ref[i] == 0:
+                self.free[i] = None
+                if self.key[i] is None:
+                    self.free.move_to_end(i, last=False)
+
+    def reset(self) -> None:
+        for i in self.cached.values():
+            self.key[i] = None
+        self.cached.clear()
+
+
+@pytest.mark.parametrize(("seed", "spare"), [(0, 1024), (1, 1024), (2, 8), (3, 8)])
+def test_free_queue_evicts_in_the_order_of_an_lru_kept_block_by_block(seed, spare, monkeypatch):
+    """The pool's free queue (a list read from its head, reused blocks skipped, freequeue.py)
+    evicts exactly as an OrderedDict LRU would, through hits, partial blocks, resets, and the
+    hit-only stretches after which it keeps only its live entries (sooner with a small `spare`)."""
+    monkeypatch.setattr(freequeue, "_SPARE", spare)
+    rng = random.Random(seed)
+    pool, ref = BlockPool(48, 4, events=False), _LruByHand(48)
+    held: list[tuple[list, list[int]]] = []
+    for step in range(8000):
+        if held and (rng.random() < 0.45 or len(held) > 6):
+            blocks, ids = held.pop(rng.randrange(len(held)))
+            pool.free(reversed(blocks))
+            ref.release(ids)
+        elif step % 2500 == 2499:
+            pool.reset()
+            ref.reset()
+        else:
+            hot = step % 2000 < 1200   # a stretch of the same few prompts: hits, no allocation
+            family, n = (rng.randrange(2), 3) if hot else (rng.randrange(12), rng.randrange(1, 10))
+            keys = [family * 100 + j for j in range(n)]
+            hits = pool.cached_prefix(keys)
+            pool.touch(hits)
+            assert [b.id for b in hits] == ref.hit(keys)
+            new = pool.allocate(n - len(hits))
+            want = ref.allocate(n - len(hits))
+            assert (new is None) == (want is None) and [b.id for b in new or []] == (want or [])
+            if new is None:
+                pool.free(reversed(hits))
+                ref.release([b.id for b in hits])
+                continue
+            full = n - len(hits) - (0 if hot else rng.randrange(2))   # the last block sometimes partial
+            pool.cache(new[:full], keys[len(hits):len(hits) + full], None, [])
+            ref.cache([b.id for b in new[:full]], keys[len(hits):len(hits) + full])
+            held.append((hits + new, [b.id for b in hits + new]))
+        assert pool.num_free == len(ref.free)
 
 
 # ---- scheduler ---------------------------------------------------------------------------

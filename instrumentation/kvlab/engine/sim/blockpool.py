@@ -13,29 +13,31 @@ the unsigned 64-bit hash vLLM publishes (kvlab.kvcache.hashing).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
-from itertools import compress, islice, repeat, takewhile
+from itertools import compress, repeat, takewhile
 from operator import attrgetter, is_, is_not, not_, sub
 from typing import cast
 
+from kvlab.engine.sim.freequeue import FreeQueue
 from kvlab.engine.sim.retention import CLASS_NAMES, NORMAL, ClassedFreeQueue
 from kvlab.engine.sim.tier import CpuTier
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 
 _present = partial(is_not, None)
-_key, _id, _ref_cnt = attrgetter("key"), attrgetter("id"), attrgetter("ref_cnt")
+_key, _ref_cnt = attrgetter("key"), attrgetter("ref_cnt")
 
 
 class Block:
-    __slots__ = ("cls", "id", "key", "ref_cnt")
+    __slots__ = ("at", "cls", "id", "key", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.id = block_id
         self.ref_cnt = 0
         self.key: int | None = None
         self.cls = NORMAL          # retention class (retention.py); only a typed pool changes it
+        self.at = -1               # its place in the untyped free queue (freequeue.py)
 
     def __repr__(self) -> str:
         return f"Block({self.id}, ref={self.ref_cnt}, key={self.key})"
@@ -53,8 +55,7 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.typed = ClassedFreeQueue(self.blocks, pinned_share) if pinned_share is not None else None
-        self._free: OrderedDict[int, Block] | ClassedFreeQueue = (
-            self.typed if self.typed is not None else OrderedDict((b.id, b) for b in self.blocks))
+        self._free: FreeQueue | ClassedFreeQueue = self.typed if self.typed is not None else FreeQueue(self.blocks)
         self._cached: dict[int, Block] = {}
         self._events_on = events
         self._events: list[Event] = []
@@ -88,7 +89,7 @@ class BlockPool:
         free = self._free
         for block in blocks:
             if block.ref_cnt == 0:
-                del free[block.id]
+                free.remove(block)
             block.ref_cnt += 1
 
     def allocate(self, n: int) -> list[Block] | None:
@@ -98,10 +99,7 @@ class BlockPool:
         if n > len(free):
             return None
         # a prompt's worth of blocks a call: taken, evicted and referenced in C-level passes
-        if isinstance(free, OrderedDict):
-            out = list(map(free.pop, list(islice(free, n))))
-        else:
-            out = [free.popitem(last=False)[1] for _ in range(n)]
+        out = free.pop(n)
         evicted = [b for b in out if b.key is not None]
         if evicted:
             removed: list[int] = list(map(_key, evicted))
@@ -165,23 +163,12 @@ class BlockPool:
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop a reference on each block; pass a request's blocks tail first (as vLLM does) so
         a prompt's last blocks are evicted before its shared first ones."""
-        free = self._free
-        if not isinstance(free, OrderedDict):
-            for block in blocks:
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0:
-                    free[block.id] = block
-                    if block.key is None:
-                        free.move_to_end(block.id, last=False)
-            return
         # in C-level passes: the same queue as freeing one block at a time in this order
         blocks = list(blocks)
         refs = list(map(sub, map(_ref_cnt, blocks), repeat(1)))
         deque(map(setattr, blocks, repeat("ref_cnt"), refs), maxlen=0)
-        unused = list(compress(blocks, map(not_, refs)))
-        free.update(zip(map(_id, unused), unused))
-        uncached = compress(unused, map(is_, map(_key, unused), repeat(None)))
-        deque(map(free.move_to_end, map(_id, uncached), repeat(False)), maxlen=0)
+        if 0 in refs:
+            self._free.push(list(compress(blocks, map(not_, refs))))
 
     def reset(self) -> None:
         """Forget every cached block (running requests keep their blocks); AllBlocksCleared."""

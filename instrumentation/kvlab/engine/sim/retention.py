@@ -110,8 +110,8 @@ class RetentionStats:
 
 
 class ClassedFreeQueue:
-    """The block pool's free queue with one LRU queue per class (the subset of OrderedDict the
-    pool uses). Pinned blocks, free or held, are bounded by `max_pinned`; beyond it a block asked
+    """The block pool's free queue with one LRU queue per class (the interface of freequeue.py's
+    `FreeQueue`). Pinned blocks, free or held, are bounded by `max_pinned`; beyond it a block asked
     to be pinned is kept as high."""
 
     def __init__(self, blocks: list[Block], pinned_share: float) -> None:
@@ -127,27 +127,36 @@ class ClassedFreeQueue:
     def __len__(self) -> int:
         return len(self._where)
 
-    def __setitem__(self, block_id: int, block: Block) -> None:
-        self._queues[block.cls][block_id] = block
-        self._where[block_id] = block.cls
+    def _put(self, block: Block) -> None:
+        self._queues[block.cls][block.id] = block
+        self._where[block.id] = block.cls
 
-    def __delitem__(self, block_id: int) -> None:
-        del self._queues[self._where.pop(block_id)][block_id]
+    def remove(self, block: Block) -> None:
+        """A free cached block taken back by a request."""
+        del self._queues[self._where.pop(block.id)][block.id]
 
-    def move_to_end(self, block_id: int, last: bool = True) -> None:
-        self._queues[self._where[block_id]].move_to_end(block_id, last)
+    def push(self, blocks: list[Block]) -> None:
+        """Blocks just freed, in order: cached ones to the back of their class's queue, each
+        uncached one to its front."""
+        for block in blocks:
+            self._put(block)
+            if block.key is None:
+                self._queues[block.cls].move_to_end(block.id, last=False)
 
-    def popitem(self, last: bool = True) -> tuple[int, Block]:
-        """The next victim: the LRU block of the lowest class that has one."""
+    def pop(self, n: int) -> list[Block]:
+        """The `n` next victims, each the LRU block of the lowest class that has one."""
+        return [self._pop() for _ in range(n)]
+
+    def _pop(self) -> Block:
         for cls, queue in enumerate(self._queues):
             if queue:
-                block_id, block = queue.popitem(last)
+                block_id, block = queue.popitem(last=False)
                 del self._where[block_id]
                 if block.key is not None:
                     self.stats.evictions[cls] += 1
                 self.set_class(block, NORMAL)
-                return block_id, block
-        raise KeyError("popitem(): no free block")
+                return block
+        raise IndexError("pop from a free queue with too few blocks")
 
     def set_class(self, block: Block, cls: int) -> None:
         """Give a block a class (pinned only within the bound); re-queues it if it is free."""
@@ -162,7 +171,7 @@ class ClassedFreeQueue:
             del self._queues[where][block.id]
         block.cls = cls
         if where is not None:
-            self[block.id] = block
+            self._put(block)
 
     def counts(self) -> list[int]:
         """Free blocks per class."""
