@@ -132,6 +132,10 @@ def test_trace_names_resolve_to_the_traces_dir(tmp_path, monkeypatch):
     assert resolve("mooncake-synthetic") == tmp_path / "synthetic_trace.jsonl"
     with pytest.raises(ConfigError, match="no such file"):
         resolve(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="a directory"):
+        resolve(str(tmp_path))
+    with pytest.raises(ConfigError, match="not a regular file; a trace is a Mooncake JSONL file"):
+        resolve("/dev/null")
 
 
 def rec(ttft, tpot, error=None, ts=0.0, e2e=1000.0, lateness=None):

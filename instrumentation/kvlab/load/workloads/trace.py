@@ -64,7 +64,10 @@ def resolve(name_or_path: str) -> Path:
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"trace {name_or_path}: no such file (names: {', '.join(NAMED)})")
+        what = ("a directory" if path.is_dir() else "not a regular file" if path.exists()
+                else "no such file")
+        raise ConfigError(f"trace {name_or_path}: {what}; a trace is a Mooncake JSONL file "
+                          f"or one of the names {', '.join(NAMED)}")
     return path.absolute()
 
 
