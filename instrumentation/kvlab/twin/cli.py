@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-params", metavar="JSON", help="JSON object of workload parameters")
     p.add_argument("--trace", metavar="NAME_OR_FILE",
                    help="Mooncake trace name or file: the trace workload at its own timing")
-    p.add_argument("--requests", type=int, metavar="N", help="requests to send (default 1000)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="requests to send (default 1000); a closed-loop user's session begun within "
+                        "them runs to its end, so multi-turn workloads send more")
     p.add_argument("--duration", dest="duration_s", type=float, metavar="SECONDS",
                    help="also stop sending after this many virtual seconds (as a live phase)")
     p.add_argument("--users", type=int, metavar="N", help="closed-loop users (default 8 without --rate/--trace)")
