@@ -1,11 +1,12 @@
 """The block pool's free queue: free blocks in LRU order, as a list read from its head.
 
-vLLM keeps free blocks in a doubly linked list; an OrderedDict is the same in Python, and it pays a
-hash-table write for every block freed and another for every block taken back. Here a request's
-freed blocks are appended to a list, allocation advances a head over it, and a free block reused
-(a prefix-cache hit) is only marked: `Block.at` is the list position of its one live entry, so a
-reused block's old entry no longer matches and allocation skips it. Freed blocks holding nothing
-cached go to the front, on a stack, as the pool's OrderedDict order had them.
+vLLM keeps free blocks in a doubly linked list; an OrderedDict is the same in Python, with a
+hash-table entry and a list node for every free block. Here a request's freed blocks are appended
+to a list, allocation advances a head over it, and a free block reused (a prefix-cache hit) is
+only marked: `Block.at` is the list position of its one live entry, so a reused block's old entry
+no longer matches and allocation skips it. Freed blocks holding nothing cached go to the front, on
+a stack, as the pool's OrderedDict order had them. The same order in less memory (the twin at 128
+replicas: a fifth less); no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
