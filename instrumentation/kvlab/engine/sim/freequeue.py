@@ -58,7 +58,7 @@ class FreeQueue:
     def _append(self, blocks: list[Block]) -> None:
         order = self._order
         if len(order) - self._head > 2 * self._count + _SPARE:   # mostly stale: keep the live entries
-            live = self._live()
+            live = self._live(order[self._head:], self._head)
             self._origin += len(order)
             order = self._order = live
             self._head = 0
@@ -70,10 +70,10 @@ class FreeQueue:
         start = self._origin + index
         deque(map(setattr, blocks, repeat("at"), range(start, start + len(blocks))), maxlen=0)
 
-    def _live(self) -> list[Block]:
-        rest = self._order[self._head:]
-        start = self._origin + self._head
-        return list(compress(rest, map(eq, map(_at, rest), range(start, start + len(rest)))))
+    def _live(self, entries: list[Block], index: int) -> list[Block]:
+        """The entries still current among `entries`, which sit at `index` in the list."""
+        start = self._origin + index
+        return list(compress(entries, map(eq, map(_at, entries), range(start, start + len(entries)))))
 
     def pop(self, n: int) -> list[Block]:
         """The `n` next blocks to reuse (the caller checked that `n` are free)."""
@@ -87,8 +87,7 @@ class FreeQueue:
             chunk = order[head:head + need]
             if not chunk:
                 raise IndexError("pop from a free queue with too few blocks")
-            start = self._origin + head
-            live = list(compress(chunk, map(eq, map(_at, chunk), range(start, start + len(chunk)))))
+            live = self._live(chunk, head)
             out.extend(live)
             head += len(chunk)
             need -= len(live)
