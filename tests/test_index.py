@@ -197,6 +197,52 @@ def test_engine_keys_hold_what_re_keying_holds():
     assert twin.confirmed > 0 and twin.expired > 0 and twin.total_blocks() > 0
 
 
+def test_an_index_that_drops_unread_keys_answers_every_lookup_below_them_alike():
+    """The twin tells its index from which key up no lookup will read a block (twin/keys.py): a
+    random run of stores (runs that cross the line, parents on either side), removals, speculation,
+    expiry and clears leaves it answering every lookup of keys below the line as an index that
+    keeps every block, holding none of the blocks above it."""
+    rng = random.Random(5)
+    line = 1000
+    prompts = [[1, 2] + list(range(10 * p + 3, 10 * p + 3 + rng.randint(0, 4))) + list(range(line + 10 * p, line + 10 * p + 4))
+               for p in range(12)]   # shared keys (a common head) first, then the prompt's own
+    now = [0.0]
+    told, kept = (PreciseIndex(speculative_ttl_s=5.0, clock=lambda: now[0], engine_keys=True) for _ in range(2))
+    told.unread_from = line
+    sizes = dict.fromkeys("abc", BS)
+    above = 0
+    for _ in range(800):
+        r, keys, op = rng.choice("abc"), rng.choice(prompts), rng.random()
+        medium = rng.choice(("GPU", "GPU", "CPU"))
+        if op < 0.45:
+            start = rng.randrange(len(keys))
+            end = min(start + rng.randint(1, 5), len(keys))
+            for idx in (told, kept):
+                idx.apply(r, [BlockStored(block_hashes=keys[start:end], parent_block_hash=keys[start - 1] if start else None,
+                                          token_ids=[0] * BS * (end - start), block_size=BS, medium=medium)])
+        elif op < 0.7:
+            gone = [k for k in keys if rng.random() < 0.4]
+            for idx in (told, kept):
+                idx.apply(r, [BlockRemoved(block_hashes=gone, medium=medium)])
+        elif op < 0.9:
+            for idx in (told, kept):
+                idx.speculate(r, keys)
+        elif op < 0.97:
+            now[0] += rng.choice((1.0, 6.0))
+        else:
+            for idx in (told, kept):
+                idx.apply(r, [AllBlocksCleared()])
+        for keys in prompts:
+            below = {BS: [k for k in keys if k < line]}
+            for spec in (True, False):
+                for cpu in (True, False):
+                    assert told.match(below, sizes, spec, cpu) == kept.match(below, sizes, spec, cpu)
+        assert not any(k >= line for layer in (told.table.masks, told.table.speculative, told.table.offloaded)
+                       for k in layer)
+        above += sum(k >= line for k in kept.table.masks)
+    assert above > 1000   # the other index held such blocks all along
+
+
 def test_a_router_without_fallback_learns_only_replicas_off_the_precise_index():
     """`fallback=False` (the twin, whose event streams never go stale): a replica on the precise
     index is not learned by the approximate one; a replica whose feed is not live still is."""

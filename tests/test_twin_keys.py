@@ -64,6 +64,33 @@ def test_structural_keys_match_exactly_when_hashed_tokens_do(trace_path, scale):
     assert all(feed.block_keys(p, 2) == block_keys(p.tokens, 2) for p in prompts[:5])
 
 
+@pytest.mark.parametrize("sent", [45, 65, 150])   # part of a round, all of one, two and a half
+def test_a_key_from_unread_up_is_held_by_one_sent_prompt_alone(tmp_path, sent):
+    """Told how many prompts will be sent, the keys put the blocks only one of them holds from
+    `unread` up, where the twin's index drops them: none may be another's (a shared chain, or the
+    tail of a prompt sent twice), and most of a trace's blocks are there."""
+    rows = _rows(60)
+    rows += [dict(r, timestamp=6000 + i) for i, r in enumerate(rows[50:55])]   # five prompts again
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    feed = Feed(Trace(seed=3, params={"path": str(path)}))
+    prompts = [p for session in islice(feed.sessions(sent), sent) for p in session]
+    for bs in (16, 48):
+        unread = feed.unread(bs)
+        assert unread is not None
+        holders: dict[int, int] = {}
+        for p in prompts:
+            for k in set(feed.block_keys(p, bs)):
+                holders[k] = holders.get(k, 0) + 1
+        assert all(n == 1 for k, n in holders.items() if k >= unread)
+        assert sum(k >= unread for k in holders) > 0.5 * len(holders)
+        assert any(n > 1 and k > feed._keys.head // bs for k, n in holders.items())   # shared ones stay below
+    beyond = next(islice(feed.sessions(sent), sent, None))[0]
+    with pytest.raises(ValueError, match="begun for"):
+        feed.block_keys(beyond, 16)
+    assert next(feed.sessions()) and feed.unread(16) is None   # not told: nothing unread
+
+
 def test_where_two_ids_windows_coincide_the_keys_follow_the_ids(tmp_path, monkeypatch):
     monkeypatch.setattr(feed_module, "_POOL", 1)   # one window: every id's tokens are the same
     path = tmp_path / "t.jsonl"
@@ -97,7 +124,8 @@ def test_other_workloads_are_hashed_as_the_gateway_hashes_them():
 @pytest.mark.parametrize("topology", ["quickstart", "pd", "chunked"])
 def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_path, topology, monkeypatch):
     """The router, the engines, a P/D decode call and a chunk's next call all take the keys: a
-    run keyed by the trace's structure is the run keyed by hashing, request for request."""
+    run keyed by the trace's structure (whose index keeps no block no lookup reads) is the run
+    keyed by hashing (whose index keeps every block), request for request."""
     import msgspec
 
     from kvlab.twin.cluster import Cluster
@@ -109,4 +137,5 @@ def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_p
 
     structural = records()
     monkeypatch.setattr(Feed, "block_keys", lambda self, prompt, bs: block_keys(prompt.tokens, bs))
+    monkeypatch.setattr(Feed, "unread", lambda self, bs: None)
     assert records() == structural

@@ -144,6 +144,10 @@ class PreciseIndex:
         # the engines hash blocks with our own family (`block_keys`, seed 0), so a BlockStored's
         # hashes are our keys and its token ids need no re-keying: the twin's engines, never a live one
         self.engine_keys = engine_keys
+        # with engine keys: from which key up no lookup will read a block (the twin's trace says so,
+        # twin/keys.py); such blocks are neither stored nor speculated: the answers stay, the work goes.
+        # In a request's keys they come after all the others, so a block stored after one of them is one too
+        self.unread_from: int | None = None
         self._engine: dict[str, dict[object, int]] = {}
         self._offloaded: dict[str, dict[object, int]] = {}   # the same, for blocks in the CPU tier
         self.block_size: dict[str, int] = {}   # as announced by BlockStored events
@@ -181,6 +185,8 @@ class PreciseIndex:
             return 0
         now = self._clock()
         self.expire(now)
+        if self.unread_from is not None:
+            keys = list(filter(self.unread_from.__gt__, keys))
         b = self.table.bit(replica)
         confirmed = self.table.masks
         pending = self._spec.setdefault(replica, OrderedDict())
@@ -259,13 +265,22 @@ class PreciseIndex:
                     parent = found
                 keys = cast(list[int], ev.block_hashes) if self.engine_keys else block_keys(ev.token_ids, bs, parent)
                 n = min(len(keys), len(ev.block_hashes))
-                emap.update(zip(ev.block_hashes[:n], keys[:n]))
-                table.add(replica, keys[:n], offloaded=cpu)
-                if not cpu:
-                    if ev.retention_classes is not None:
-                        self.classes.setdefault(replica, {}).update(zip(keys[:n], ev.retention_classes))
-                    self.confirmed += self._drop_speculative(replica, keys[:n])
                 touched += n
+                hashes: Sequence[object] = ev.block_hashes[:n]
+                keys, classes = keys[:n], ev.retention_classes
+                if self.unread_from is not None:   # engine keys: a block's hash is its key
+                    kept = list(map(self.unread_from.__gt__, keys))
+                    if not all(kept):
+                        hashes = keys = list(compress(keys, kept))
+                        classes = None if classes is None else list(compress(classes, kept))
+                        if not keys:
+                            continue
+                emap.update(zip(hashes, keys))
+                table.add(replica, keys, offloaded=cpu)
+                if not cpu:
+                    if classes is not None:
+                        self.classes.setdefault(replica, {}).update(zip(keys, classes))
+                    self.confirmed += self._drop_speculative(replica, keys)
             elif isinstance(ev, BlockRemoved):
                 # a removed block was stored first, which already ended its speculation
                 cpu = ev.medium == "CPU"

@@ -125,8 +125,11 @@ class Cluster:
     def run(self, progress: Callable[[int], None] | None = None) -> Outcome:
         """Send the plan's requests, run until every one finished; `progress(n)` after each finishes."""
         plan = self.plan
-        self._sessions = self.feed.sessions()
         self._left = plan.settings.requests            # requests still to send
+        self._sessions = self.feed.sessions(self._left)
+        # blocks a single prompt holds are looked up only by it, before it is sent anywhere: the
+        # index keeps none of them (twin/keys.py), the router's answers are the same
+        self.precise.unread_from = self.feed.unread(plan.sim.block_size)
         self._until_ms = (plan.settings.duration_s or float("inf")) * 1000.0
         self._records: list[Record] = []
         self._end_ms = 0.0            # the last request's end

@@ -53,12 +53,22 @@ class Feed:
         self._head = self.tok.encode_text(head, False)[0]
         self._tail = self.tok.encode_text(tail, False)[0]
         self._keys: TraceKeys | None = None
+        self._sent: int | None = None
 
-    def sessions(self) -> Iterator[list[Prompt]]:
-        """The endless stream of sessions, each a list of prompts sent in order."""
+    def sessions(self, sent: int | None = None) -> Iterator[list[Prompt]]:
+        """The endless stream of sessions, each a list of prompts sent in order; `sent`: at most how
+        many prompts will be taken from it (a trace's keys then say which blocks `unread` are)."""
+        self._sent = sent
         if isinstance(self.workload, Trace):
-            yield from self._trace(self.workload)
-            return
+            trace = self.workload
+            if self._keys is None:
+                self._keys = TraceKeys(len(self._head), len(self._tail), trace.block_tokens,
+                                       [(row.hash_ids, trace_prompt_tokens(trace, row)) for row in trace.rows])
+            self._keys.expect(sent)
+            return self._trace(trace)
+        return self._chats()
+
+    def _chats(self) -> Iterator[list[Prompt]]:
         for n, session in enumerate(self.workload.sessions()):
             yield [Prompt(self.tok.encode_chat(r.messages)[0], r.max_tokens, r.group, n, i, r.pause_s)
                    for i, r in enumerate(session)]
@@ -69,11 +79,18 @@ class Feed:
         if prompt.row is None or self._keys is None:
             return block_keys(prompt.tokens, block_size)
         assert isinstance(self.workload, Trace)   # only a trace's prompts have a row
-        return self._keys.keys(prompt.row.hash_ids, prompt.round_, trace_prompt_tokens(self.workload, prompt.row),
+        if self._sent is not None and prompt.session >= self._sent:
+            raise ValueError(f"prompt {prompt.session:,} of a stream begun for {self._sent:,}: "
+                             "its keys could be unread")
+        return self._keys.keys(prompt.session - prompt.round_ * len(self.workload.rows), prompt.round_,
                                prompt.tokens, block_size)
 
+    def unread(self, block_size: int) -> int | None:
+        """From which key up no lookup reads a block (keys.py); None unless the stream is a trace's,
+        begun with `sent`."""
+        return self._keys.unread(block_size) if self._keys is not None else None
+
     def _trace(self, trace: Trace) -> Iterator[list[Prompt]]:
-        self._keys = TraceKeys(len(self._head), trace.block_tokens, [row.hash_ids for row in trace.rows])
         n, round_ = 0, 0
         while True:
             for row in trace.rows:
