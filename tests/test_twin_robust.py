@@ -63,6 +63,20 @@ def test_a_trace_no_profile_holds_runs_on_the_profile_that_holds_the_most(tmp_pa
     note = describe(named.fit, "cpu-tiny") or ""
     assert "no shipped profile holds the longest; profile h100-llama3-8b holds 2 of them" in note
 
+
+@pytest.mark.timeout(60)
+def test_any_number_of_requests_is_counted_per_row_not_listed(tmp_path):
+    """`--requests` in the billions with `--duration` to end the run: the requests' lengths are
+    counted per row of the trace (a list of them hung), the keys stay 64-bit (no block is set apart
+    as unread so far out), and the run sends what fits its duration."""
+    trace = _trace(tmp_path, [600, 3000, 700])
+    plan = resolve(TwinSettings(trace=trace, replicas=2, requests=10**30 + 1, duration_s=2.0, policy="kv-aware",
+                                max_model_len=2048))
+    assert plan.fit is not None and plan.fit.over == (10**30 + 1) // 3 + 1 and plan.fit.longest > 3000
+    assert f"of the {10**30 + 1:,} requests" in (describe(plan.fit, "cpu-tiny") or "")
+    r = run(plan)
+    assert r.summary.requests == 10 and r.summary.too_long == 3   # two seconds, a row every 200 ms; 10**30 + 1 = 3k + 2: the long row once more
+
 def test_a_max_model_length_over_the_kv_cache_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["--num-blocks", "100", "--max-model-len", "4096", "--run-dir", str(out)]) == 2

@@ -5,8 +5,6 @@ hold every one, or the most where none does (`kvlab twin --trace X` with no prof
 
 from __future__ import annotations
 
-import itertools
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,32 +14,51 @@ from kvlab.load.workloads.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
+class Lengths:
+    """Prompt + max_tokens of the `requests` requests a trace sends: its rows' in order, round after
+    round. Counted per row, not listed one per request: `--requests` may be in the billions (with
+    `--duration` to end the run)."""
+
+    rows: list[int]
+    requests: int
+
+    @property
+    def longest(self) -> int:
+        return max(self.rows[:self.requests])
+
+    def within(self, limit: int) -> int:
+        """How many of the requests are at most `limit` tokens."""
+        rounds, rest = divmod(self.requests, len(self.rows))
+        return sum(rounds + (i < rest) for i, n in enumerate(self.rows) if n <= limit)
+
+
+@dataclass(frozen=True, slots=True)
 class Fit:
     """The requests to send (prompt + max_tokens each) against one max model length."""
 
-    lengths: list[int]
+    lengths: Lengths
     max_model_len: int
 
     @property
     def longest(self) -> int:
-        return max(self.lengths, default=0)
+        return self.lengths.longest
 
     @property
     def over(self) -> int:
         """Requests the max model length cannot hold (each a 400)."""
-        return sum(1 for n in self.lengths if n > self.max_model_len)
+        return self.lengths.requests - self.lengths.within(self.max_model_len)
 
 
-def request_lengths(workload: Workload[Any], requests: int) -> list[int] | None:
-    """Prompt + max_tokens of each of the first `requests` requests of a trace, as the twin's feed
-    builds them (chat template included); None for a workload that is not a trace."""
+def request_lengths(workload: Workload[Any], requests: int) -> Lengths | None:
+    """Prompt + max_tokens of the first `requests` requests of a trace, as the twin's feed builds
+    them (chat template included); None for a workload that is not a trace."""
     if not isinstance(workload, Trace) or not workload.rows:
         return None
     from kvlab.twin.feed import Feed, trace_max_tokens, trace_prompt_tokens
 
     extra = Feed(workload).template_tokens
-    rows = itertools.islice(itertools.cycle(workload.rows), requests)
-    return [extra + trace_prompt_tokens(workload, r) + trace_max_tokens(workload, r) for r in rows]
+    return Lengths([extra + trace_prompt_tokens(workload, r) + trace_max_tokens(workload, r) for r in workload.rows],
+                   requests)
 
 
 def holds(profile: LatencyProfile, tokens: int) -> bool:
@@ -49,14 +66,13 @@ def holds(profile: LatencyProfile, tokens: int) -> bool:
     return tokens <= profile.max_model_len <= profile.num_blocks * profile.block_size
 
 
-def roomiest_profile(lengths: list[int]) -> tuple[str, int]:
+def roomiest_profile(lengths: Lengths) -> tuple[str, int]:
     """The first shipped profile (profiles.yaml order) that holds the most of these requests (every
     one, where some profile does), and how many it holds."""
-    ordered = sorted(lengths)
     best = ("", -1)
     for name, p in load_profiles(default_path()).items():
         # every request up to its max model length, if its own KV cache takes that length at all
-        n = bisect_right(ordered, p.max_model_len) if holds(p, 0) else 0
+        n = lengths.within(p.max_model_len) if holds(p, 0) else 0
         if n > best[1]:
             best = (name, n)
     return best
@@ -67,12 +83,12 @@ def describe(fit: Fit, profile: str) -> str | None:
     if not fit.over:
         return None
     other, n = roomiest_profile(fit.lengths)
-    if n == len(fit.lengths):
+    if n == fit.lengths.requests:
         hint = f"profile {other} holds every one (--profile {other})"
-    elif other != profile and n > len(fit.lengths) - fit.over:
+    elif other != profile and n > fit.lengths.requests - fit.over:
         hint = f"no shipped profile holds the longest; profile {other} holds {n:,} of them (--profile {other})"
     else:
         hint = "no shipped profile holds the longest"
     verb = "exceeds" if fit.over == 1 else "exceed"
-    return (f"{fit.over:,} of the {len(fit.lengths):,} requests {verb} profile {profile}'s max model length "
+    return (f"{fit.over:,} of the {fit.lengths.requests:,} requests {verb} profile {profile}'s max model length "
             f"({fit.max_model_len:,} tokens; the longest is {fit.longest:,}): each is answered 400; {hint}")

@@ -42,6 +42,7 @@ import numpy as np
 from kvlab.kvcache.hashing import block_keys
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
+_HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
 
 
 class TraceKeys:
@@ -92,7 +93,8 @@ class TraceKeys:
         how many prompts will be sent, or when blocks this small are hashed."""
         if not self._rounds or block_size < MIN_BLOCK:
             return None
-        return self.head // block_size + 1 + self._rounds * self._round(block_size)
+        line = self.head // block_size + 1 + self._rounds * self._round(block_size)
+        return line if 2 * line < _HASHED else None   # billions of rounds: keys that big would be hashes'
 
     def _round(self, block_size: int) -> int:
         """How many keys one round's trace blocks and tails can take."""
@@ -108,8 +110,9 @@ class TraceKeys:
         places = (size - 1) // bs + 1          # block ends one trace block can hold, at most
         span = self._round(bs)
         first = in_head + 1 + round_ * span
-        unread = first + self._rounds * span   # the same place, unread
-        chains, tails = self._alone[round_ == self._rounds - 1] if self._rounds else (None, None)
+        line = self.unread(bs)
+        unread = (line or 0) + round_ * span   # the same place, unread
+        chains, tails = self._alone[round_ == self._rounds - 1] if line is not None else (None, None)
         trace_tokens = self._tokens[row]
         for i, node in enumerate(self._paths[row]):
             start = i * size

@@ -145,18 +145,18 @@ def resolve(s: TwinSettings) -> Plan:
         raise ConfigError(f"workload {wname}: {exc}") from None
     lengths = request_lengths(workload, s.requests)
     name, reason = s.profile or topo.sim.profile, None
-    if lengths and s.profile is None and s.max_model_len is None:
-        longest = max(lengths)
+    if lengths is not None and s.profile is None and s.max_model_len is None:
+        longest = lengths.longest
         if longest > topo.sim.max_model_len:   # the topology's profile does not hold them all
             other, held = roomiest_profile(lengths)
-            own = len(lengths) - Fit(lengths, topo.sim.max_model_len).over
-            if held == len(lengths):
+            own = lengths.requests - Fit(lengths, topo.sim.max_model_len).over
+            if held == lengths.requests:
                 name, reason = other, (f"the first shipped profile that holds the trace's longest request "
                                        f"({longest:,} tokens; {topo.name}'s {topo.sim.profile} takes "
                                        f"{topo.sim.max_model_len:,})")
             elif held > own:   # none holds them all: the one that holds the most
                 name, reason = other, (f"the shipped profile that holds the most of the trace's requests ({held:,} "
-                                       f"of {len(lengths):,}; none holds the longest, {longest:,} tokens; "
+                                       f"of {lengths.requests:,}; none holds the longest, {longest:,} tokens; "
                                        f"{topo.name}'s {topo.sim.profile} holds {own:,})")
     profile = get_profile(name)
     sim = topo.sim
@@ -192,7 +192,7 @@ def resolve(s: TwinSettings) -> Plan:
     rate = arrival(s.rate, s.arrival) if s.rate is not None else None
     users = s.users if s.users is not None else (None if rate or trace_timing or s.stages else 8)
     return Plan(s, topo, policy, profile, name, sim, replicas, members, blocks, workload, rate, users, trace_timing,
-                s.information.effective(), max_len, Fit(lengths, max_len) if lengths else None, reason,
+                s.information.effective(), max_len, Fit(lengths, max_len) if lengths is not None else None, reason,
                 list(s.stages))
 
 
