@@ -125,13 +125,21 @@ def test_the_twin_ttft_is_the_live_one(both, policy):
 
 @pytest.mark.processes
 def test_the_twins_engines_take_the_live_engines_time_to_a_first_token(both):
-    """What the twin models is the engines' queue and prefill: with no request overhead, its TTFT
-    p50 is the live engines' own (their `llm_request` spans' time in queue plus prefill,
-    traces/overhead.py) for both policies, kv-aware's cache hits (tens of ms) included: not more
-    than 20 % over it (that would be a fault of the model), and down to 0.6 of it, as the band check
-    above allows, since a loaded machine slows the simulator's engine steps too (kv-aware's p50, twin
-    65 ms: live 61 ms on the dev VM, 78 ms in a fresh-clone CI run; round-robin's 1,189-1,203 ms
-    against 1,209). A twin whose engines ran 3.3x fast (0.3 of live) fails it.
+    """What the twin models is the engines' queue and prefill: with no request overhead and sending
+    as many requests as the live phase did, its mean TTFT is the live engines' own (their
+    `llm_request` spans' time in queue plus prefill, traces/overhead.py) for both policies: not
+    more than 20 % over it (that would be a fault of the model), and down to 0.75 of it, since a
+    loaded machine slows the simulator's engine steps too. A twin whose engines ran 3.3x fast (0.3
+    of live) fails it.
+
+    The mean, not the p50: kv-aware's engine times are hits of tens of ms and cold misses of ~1.2 s,
+    and its p50 is a hit only while hits are well over half its requests. A busy machine serves
+    fewer requests in the phase, so each group's first miss weighs more (the hit-rate test above
+    sends the live count for the same reason). On the dev VM the live p50 is a hit (60 ms against
+    the twin's 67, the means 414 against 399 ms); an official CI run whose suite took 1,428 s served
+    kv-aware 102 requests instead of 177, and its engines' p50 fell between the two (359 ms, the
+    twin's at 102 requests 124) while the means stayed 742 against 639 ms (0.86). Round-robin's
+    means: 1,096-1,134 ms live, 1,104 ms twin.
 
     The client's TTFT adds the time outside the engines, which the band check above adds from below.
     Adding its median to the twin does not give the client's p50 on a loaded machine: there the
@@ -144,8 +152,10 @@ def test_the_twins_engines_take_the_live_engines_time_to_a_first_token(both):
                   and (ms := engine_ttft_ms(traces.get(rec.trace_id or "", EMPTY))) is not None]
         assert engine, policy
         s = both.live[policy]
-        settings = TwinSettings(topology="quickstart", users=s["users"], seed=s["seed"], duration_s=LAB_QUICK.duration_s,
-                                requests=100_000, information=Information(request_overhead_ms=0.0))
+        settings = TwinSettings(topology="quickstart", users=s["users"], seed=s["seed"], requests=s["requests"],
+                                information=Information(request_overhead_ms=0.0))
         [plan] = plans(settings, [policy])
-        ratio = run(plan, oracle=False).summary.ttft_ms.p50 / float(np.median(engine))
-        assert 0.6 <= ratio <= 1.2, (policy, ratio, float(np.median(engine)))
+        mean = run(plan, oracle=False).summary.ttft_ms.mean
+        assert mean is not None, policy
+        ratio = mean / float(np.mean(engine))
+        assert 0.75 <= ratio <= 1.2, (policy, ratio, float(np.mean(engine)))
