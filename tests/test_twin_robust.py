@@ -77,6 +77,7 @@ def test_any_number_of_requests_is_counted_per_row_not_listed(tmp_path):
     r = run(plan)
     assert r.summary.requests == 10 and r.summary.too_long == 3   # two seconds, a row every 200 ms; 10**30 + 1 = 3k + 2: the long row once more
 
+
 def test_a_max_model_length_over_the_kv_cache_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["--num-blocks", "100", "--max-model-len", "4096", "--run-dir", str(out)]) == 2
