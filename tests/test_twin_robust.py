@@ -15,6 +15,7 @@ from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.errors import ConfigError, TwinError
 from kvlab.load.summary import read_summary
 from kvlab.twin import cli, cluster, runner
+from kvlab.twin.clock import SCRAPE
 from kvlab.twin.feed import Feed
 from kvlab.twin.fit import describe
 from kvlab.twin.progress import RunProgress
@@ -122,9 +123,9 @@ def _scrapes(monkeypatch) -> list[float]:
 
 def _every_interval(self) -> None:
     """The scrapes without skipping: one every interval while anything is to come or in flight."""
-    if self._intake or self._flights:
+    if self.clock.intake or self.gateway.flights:
         self._scrape += 1
-        self._push(self._scrape * self.info.scrape_interval_ms, cluster.SCRAPE, None)
+        self.clock.push(self._scrape * self.info.scrape_interval_ms, SCRAPE, None)
 
 
 def test_idle_virtual_time_costs_no_scrapes_and_changes_no_figure(monkeypatch):
