@@ -1,6 +1,6 @@
 """The cluster twin alone (no processes): deterministic runs, what the router sees, the decode
-fast-forward's exactness, settings refused before running, the live runs' outputs, prefill/decode
-pools and data-parallel lockstep."""
+fast-forward's exactness, open-loop traces and sessions, settings refused before running, the live
+runs' outputs, prefill/decode pools and data-parallel lockstep."""
 
 from __future__ import annotations
 
@@ -100,6 +100,24 @@ def test_a_trace_replays_at_its_own_timing_open_loop(tmp_path):
     assert [rec.ts for rec in r.records] == [i * 0.5 for i in range(12)]
     # every request shares its first 512-token block with the first: most of it comes from the cache
     assert s.hit_rate.delivered > 0.5
+
+
+def test_an_open_loop_sessions_later_requests_each_follow_the_answer_before_after_its_pause():
+    # agentic sessions at a constant 0.5 a second: each session's first request at its arrival,
+    # every later step sent when the step before was answered plus the tool call's pause
+    r = run(resolve(TwinSettings(topology="agentic", replicas=2, requests=4, rate=0.5, arrival="constant",
+                                 policy="kv-aware")), oracle=False)
+    sessions: dict[int, list[Record]] = {}
+    for rec in r.records:
+        sessions.setdefault(rec.session or 0, []).append(rec)
+    assert sorted(sessions) == [0, 1, 2, 3]
+    gaps = []
+    for n, recs in sessions.items():
+        recs.sort(key=lambda rec: rec.step or 0)
+        assert [rec.step for rec in recs] == list(range(len(recs))) and len(recs) > 1, n
+        assert recs[0].ts == pytest.approx(2.0 * n)
+        gaps += [b.ts - (a.ts + a.e2e_ms / 1000.0) for a, b in zip(recs, recs[1:])]
+    assert gaps[0] > 0.1 and gaps == pytest.approx([gaps[0]] * len(gaps))
 
 
 @pytest.mark.parametrize(("flags", "message"), [
