@@ -205,7 +205,8 @@ assert reasons["dp-aware"]["prefix-on-rank"] > 0, "DP-aware should pick ranks fo
 assert result["desired_peak"] > result["desired_first"], "the recommendation should rise with the load"
 assert result["scale_ups"] >= 1, "the scaler should have started a replica"
 assert any(s.name == n.SPAN_SCALE_ACTION for s in scale_spans), "scale actions should be traced"
-print(f"✓ DP-aware: TTFT p50 {b.ttft_ms.p50:.0f} → {a.ttft_ms.p50:.0f} ms; autoscaling "
+print(f"✓ DP-aware: delivered hit rate {b.hit_rate.delivered:.0%} → {a.hit_rate.delivered:.0%}, "
+      f"{b.rps:.2f} → {a.rps:.2f} requests/s (TTFT p50 {b.ttft_ms.p50:.0f} → {a.ttft_ms.p50:.0f} ms); autoscaling "
       f"{result['desired_first']} → {result['desired_peak']} → {result['desired_last']} replicas")
 
 # %% [markdown]

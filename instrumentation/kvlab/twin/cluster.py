@@ -65,12 +65,12 @@ class Cluster:
         events = plan.policy.index.kind == "precise"
         self.replicas = [Replica(m, plan.profile, plan.sim, plan.num_blocks, events)
                          for m in plan.members]
-        self.by_name = {r.name: r for r in self.replicas}
         self.feed = feed or Feed(plan.workload)
         sampler = join_ranks(plan, self.replicas, self.feed.tok.tok)
         for r in self.replicas:
             r.backend.events_state = "live" if events else "none"
         self.gateway = Gateway(plan, self.replicas, self.feed, self.clock, sampler, keep_keys)
+        self.by_name = self.gateway.by_name
         self._pending_events: dict[str, list[Event]] = {}
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
         self._watchdog = Watchdog(STALL_STEPS)
