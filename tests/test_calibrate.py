@@ -87,10 +87,11 @@ def test_simulator_ttft_follows_the_fitted_formula(home, tmp_path):
         url = ready["replicas"][0]["url"]
 
         async def run():
-            # the fastest of 3 per point: a busy machine only adds to the simulator's modelled time
+            # the fastest of 5 per point: a busy machine only adds to the simulator's modelled time
+            # (of 3, a fresh-clone CI run on the loaded 2-core VM once read 89 ms for a predicted 79)
             visible, rng = Tokenizer().visible_ids, random.Random(0)
             async with aiohttp.ClientSession() as client:
-                return [min([await grid.ttft(client, url, n, cached_tokens(n, f, 128), rng, visible) for _ in range(3)],
+                return [min([await grid.ttft(client, url, n, cached_tokens(n, f, 128), rng, visible) for _ in range(5)],
                             key=lambda p: p["ttft_ms"])
                         for n in grid.lengths for f in grid.fractions]
 

@@ -30,14 +30,13 @@ _key, _ref_cnt = attrgetter("key"), attrgetter("ref_cnt")
 
 
 class Block:
-    __slots__ = ("at", "cls", "id", "key", "ref_cnt")
+    __slots__ = ("cls", "id", "key", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.id = block_id
         self.ref_cnt = 0
         self.key: int | None = None
         self.cls = NORMAL          # retention class (retention.py); only a typed pool changes it
-        self.at = -1               # its place in the untyped free queue (freequeue.py)
 
     def __repr__(self) -> str:
         return f"Block({self.id}, ref={self.ref_cnt}, key={self.key})"

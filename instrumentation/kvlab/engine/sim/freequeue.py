@@ -2,37 +2,38 @@
 
 vLLM keeps free blocks in a doubly linked list; an OrderedDict is the same in Python, with a
 hash-table entry and a list node for every free block. Here a request's freed blocks are appended
-to a list, allocation advances a head over it, and a free block reused (a prefix-cache hit) is
-only marked: `Block.at` is the list position of its one live entry, so a reused block's old entry
-no longer matches and allocation skips it. Freed blocks holding nothing cached go to the front, on
-a stack, as the pool's OrderedDict order had them. The same order in less memory (the twin at 128
-replicas: a fifth less); no faster (docs/benchmarks.md).
+to a list and allocation advances a head over it. A free block reused (a prefix-cache hit) stays
+in the list and is only counted as stale: a block's entries before its last are stale, and so is
+its last one while it is in use, so reading the list in order, the first entries of a block with
+stale ones counted are the ones to skip. Most stretches read hold no such block, and one C-level
+pass over the stretch says so. Freed blocks holding nothing cached go to the front, on a stack, as
+the pool's OrderedDict order had them. The same order as the OrderedDict in less memory (the twin
+at 128 replicas: a fifth less); no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import attrgetter, eq, is_, is_not
+from operator import attrgetter, is_, is_not
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvlab.engine.sim.blockpool import Block
 
-_key, _at = attrgetter("key"), attrgetter("at")
+_key = attrgetter("key")
 _SPARE = 1024   # list entries read or stale before the list is compacted
 
 
 class FreeQueue:
     """`len()` free blocks; `pop(n)` takes the `n` least recently freed (uncached ones first)."""
 
-    __slots__ = ("_count", "_front", "_head", "_order", "_origin")
+    __slots__ = ("_count", "_front", "_head", "_order", "_stale")
 
     def __init__(self, blocks: Sequence[Block]) -> None:
         self._order: list[Block] = []   # cached free blocks, oldest first; [_head:] not yet read
-        self._origin = 0                # the position of `_order[0]` (positions only grow)
         self._head = 0
+        self._stale: dict[Block, int] = {}   # a block's stale entries in `_order[_head:]`, if any
         self._front = list(reversed(blocks))   # uncached free blocks; the last one is the next to go
         self._count = len(blocks)
 
@@ -41,7 +42,8 @@ class FreeQueue:
 
     def remove(self, block: Block) -> None:
         """A free cached block taken back by a request: its entry goes stale."""
-        block.at = -1
+        stale = self._stale
+        stale[block] = stale.get(block, 0) + 1
         self._count -= 1
 
     def push(self, blocks: list[Block]) -> None:
@@ -58,22 +60,25 @@ class FreeQueue:
     def _append(self, blocks: list[Block]) -> None:
         order = self._order
         if len(order) - self._head > 2 * self._count + _SPARE:   # mostly stale: keep the live entries
-            live = self._live(order[self._head:], self._head)
-            self._origin += len(order)
-            order = self._order = live
+            order = self._order = self._live(order[self._head:])
             self._head = 0
-            self._place(live, 0)
-        self._place(blocks, len(order))
         order.extend(blocks)
 
-    def _place(self, blocks: list[Block], index: int) -> None:
-        start = self._origin + index
-        deque(map(setattr, blocks, repeat("at"), range(start, start + len(blocks))), maxlen=0)
-
-    def _live(self, entries: list[Block], index: int) -> list[Block]:
-        """The entries still current among `entries`, which sit at `index` in the list."""
-        start = self._origin + index
-        return list(compress(entries, map(eq, map(_at, entries), range(start, start + len(entries)))))
+    def _live(self, entries: list[Block]) -> list[Block]:
+        """The live ones of `entries`, the next entries of the list in order, whose stale ones are
+        forgotten (they are read now)."""
+        stale = self._stale
+        if not stale or stale.keys().isdisjoint(entries):
+            return entries
+        keep = [True] * len(entries)
+        # lazily, entry by entry: a block whose stale entries were all read before this one is live
+        for i in compress(range(len(entries)), map(stale.__contains__, entries)):
+            block = entries[i]
+            keep[i] = False
+            n = stale.pop(block)
+            if n > 1:
+                stale[block] = n - 1
+        return list(compress(entries, keep))
 
     def pop(self, n: int) -> list[Block]:
         """The `n` next blocks to reuse (the caller checked that `n` are free)."""
@@ -87,13 +92,12 @@ class FreeQueue:
             chunk = order[head:head + need]
             if not chunk:
                 raise IndexError("pop from a free queue with too few blocks")
-            live = self._live(chunk, head)
+            live = self._live(chunk)
             out.extend(live)
             head += len(chunk)
             need -= len(live)
         if head > _SPARE and 2 * head > len(order):
             del order[:head]
-            self._origin += head
             head = 0
         self._head = head
         self._count -= n
