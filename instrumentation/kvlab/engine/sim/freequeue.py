@@ -5,10 +5,11 @@ hash-table entry and a list node for every free block. Here a request's freed bl
 to a list and allocation advances a head over it. A free block reused (a prefix-cache hit) stays
 in the list and is only counted as stale: a block's entries before its last are stale, and so is
 its last one while it is in use, so reading the list in order, the first entries of a block with
-stale ones counted are the ones to skip. Most stretches read hold no such block, and one C-level
-pass over the stretch says so. Freed blocks holding nothing cached go to the front, on a stack, as
-the pool's OrderedDict order had them. The same order as the OrderedDict in less memory (the twin
-at 128 replicas: a fifth less); no faster (docs/benchmarks.md).
+stale ones counted are the ones to skip. A stretch read that holds no such block (57 % of them in
+a 16 x 3,000 conversation run of the twin) is taken whole after one C-level pass over it. Freed
+blocks holding nothing cached go to the front, on a stack, as the pool's OrderedDict order had
+them. The same order as the OrderedDict in less memory (the twin at 128 replicas: a fifth less);
+no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
