@@ -160,8 +160,9 @@ class _LruByHand:
 @pytest.mark.parametrize(("seed", "spare"), [(0, 1024), (1, 1024), (2, 8), (3, 8)])
 def test_free_queue_evicts_in_the_order_of_an_lru_kept_block_by_block(seed, spare, monkeypatch):
     """The pool's free queue (a list read from its head, reused blocks skipped, freequeue.py)
-    evicts exactly as an OrderedDict LRU would, through hits, partial blocks, resets, and the
-    hit-only stretches after which it keeps only its live entries (sooner with a small `spare`)."""
+    evicts exactly as an OrderedDict LRU would, through hits, partial blocks, resets, blocks freed in
+    any order, and the hit-only stretches after which it keeps only its live entries (sooner with a
+    small `spare`)."""
     monkeypatch.setattr(freequeue, "_SPARE", spare)
     rng = random.Random(seed)
     pool, ref = BlockPool(48, 4, events=False), _LruByHand(48)
@@ -169,8 +170,11 @@ def test_free_queue_evicts_in_the_order_of_an_lru_kept_block_by_block(seed, spar
     for step in range(8000):
         if held and (rng.random() < 0.45 or len(held) > 6):
             blocks, ids = held.pop(rng.randrange(len(held)))
-            pool.free(reversed(blocks))
-            ref.release(ids)
+            order = list(reversed(blocks))
+            if rng.random() < 0.3:   # any order: uncached and still shared blocks anywhere in it
+                rng.shuffle(order)
+            pool.free(order)
+            ref.release([b.id for b in reversed(order)])
         elif step % 2500 == 2499:
             pool.reset()
             ref.reset()

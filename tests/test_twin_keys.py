@@ -80,8 +80,11 @@ def test_a_key_from_unread_up_is_held_by_one_sent_prompt_alone(tmp_path, sent):
         assert unread is not None
         holders: dict[int, int] = {}
         for p in prompts:
-            for k in set(feed.block_keys(p, bs)):
+            keys = feed.block_keys(p, bs)
+            for k in set(keys):
                 holders[k] = holders.get(k, 0) + 1
+            above = [k >= unread for k in keys]
+            assert above == sorted(above)   # a prompt's unread blocks come after its others (the index bisects)
         assert all(n == 1 for k, n in holders.items() if k >= unread)
         assert sum(k >= unread for k in holders) > 0.5 * len(holders)
         assert any(n > 1 and k > feed._keys.head // bs for k, n in holders.items())   # shared ones stay below

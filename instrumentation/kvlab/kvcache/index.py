@@ -26,7 +26,7 @@ reachable through the CPU tier.
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
@@ -146,7 +146,8 @@ class PreciseIndex:
         self.engine_keys = engine_keys
         # with engine keys: from which key up no lookup will read a block (the twin's trace says so,
         # twin/keys.py); such blocks are neither stored nor speculated: the answers stay, the work goes.
-        # In a request's keys they come after all the others, so a block stored after one of them is one too
+        # In a request's keys they come after all the others (so do its answer's, hashed above them): a
+        # binary search finds where they begin, and a block stored after one of them is one too
         self.unread_from: int | None = None
         self._engine: dict[str, dict[object, int]] = {}
         self._offloaded: dict[str, dict[object, int]] = {}   # the same, for blocks in the CPU tier
@@ -186,7 +187,7 @@ class PreciseIndex:
         now = self._clock()
         self.expire(now)
         if self.unread_from is not None:
-            keys = list(filter(self.unread_from.__gt__, keys))
+            keys = keys[:bisect_left(keys, True, key=self.unread_from.__le__)]
         b = self.table.bit(replica)
         confirmed = self.table.masks
         pending = self._spec.setdefault(replica, OrderedDict())
@@ -269,12 +270,12 @@ class PreciseIndex:
                 hashes: Sequence[object] = ev.block_hashes[:n]
                 keys, classes = keys[:n], ev.retention_classes
                 if self.unread_from is not None:   # engine keys: a block's hash is its key
-                    kept = list(map(self.unread_from.__gt__, keys))
-                    if not all(kept):
-                        hashes = keys = list(compress(keys, kept))
-                        classes = None if classes is None else list(compress(classes, kept))
-                        if not keys:
+                    read = bisect_left(keys, True, key=self.unread_from.__le__)
+                    if read < n:
+                        if not read:
                             continue
+                        hashes = keys = keys[:read]
+                        classes = None if classes is None else classes[:read]
                 emap.update(zip(hashes, keys))
                 table.add(replica, keys, offloaded=cpu)
                 if not cpu:

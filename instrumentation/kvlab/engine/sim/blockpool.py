@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import compress, repeat, takewhile
-from operator import attrgetter, is_, is_not, not_, sub
+from operator import attrgetter, is_not, not_, sub
 from typing import cast
 
 from kvlab.engine.sim.freequeue import FreeQueue
@@ -99,9 +99,11 @@ class BlockPool:
             return None
         # a prompt's worth of blocks a call: taken, evicted and referenced in C-level passes
         out = free.pop(n)
-        evicted = [b for b in out if b.key is not None]
-        if evicted:
-            removed: list[int] = list(map(_key, evicted))
+        keys = list(map(_key, out))
+        if keys.count(None) < n:
+            held = list(map(is_not, keys, repeat(None)))
+            evicted = list(compress(out, held))
+            removed: list[int] = list(compress(keys, held))
             deque(map(self._cached.__delitem__, removed), maxlen=0)
             deque(map(setattr, evicted, repeat("key"), repeat(None)), maxlen=0)
             if self._events_on:
@@ -114,13 +116,15 @@ class BlockPool:
         """Mark fresh full blocks (allocated, not cached yet) as cached under `keys` (chained after
         `parent`), one BlockStored; `classes`: their retention classes (a typed pool)."""
         # each key cached under its block unless another block holds the same content already
-        holders = list(map(self._cached.setdefault, keys, blocks))
-        if len(blocks) == len(keys) and all(map(is_, holders, blocks)):   # the usual case, in C
+        cached = self._cached
+        before = len(cached)
+        deque(map(cached.setdefault, keys, blocks), maxlen=0)
+        if len(blocks) == len(keys) == len(cached) - before:   # every key new: the usual case, in C
             stored: list[int] = list(keys)
             deque(map(setattr, blocks, repeat("key"), stored), maxlen=0)
         else:
             stored = []
-            for block, key, holder in zip(blocks, keys, holders):
+            for block, key, holder in zip(blocks, keys, map(cached.get, keys)):
                 if holder is block:
                     block.key = key
                     stored.append(key)
@@ -166,7 +170,11 @@ class BlockPool:
         blocks = list(blocks)
         refs = list(map(sub, map(_ref_cnt, blocks), repeat(1)))
         deque(map(setattr, blocks, repeat("ref_cnt"), refs), maxlen=0)
-        if 0 in refs:
+        unused = refs.count(0)
+        if unused == refs[:unused].count(0):   # none, or they lead: the blocks before them still shared
+            if unused:
+                self._free.push(blocks[:unused])
+        else:
             self._free.push(list(compress(blocks, map(not_, refs))))
 
     def reset(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import attrgetter, is_, is_not
+from operator import attrgetter, is_not, not_
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,14 +49,19 @@ class FreeQueue:
 
     def push(self, blocks: list[Block]) -> None:
         """Blocks just freed, in order: cached ones to the back, each uncached one to the front."""
-        uncached = list(compress(blocks, map(is_, map(_key, blocks), repeat(None))))
-        if uncached:
-            self._front.extend(uncached)
-            if len(uncached) < len(blocks):
-                self._append(list(compress(blocks, map(is_not, map(_key, blocks), repeat(None)))))
+        keys = list(map(_key, blocks))
+        uncached = keys.count(None)
+        if uncached == keys[:uncached].count(None):   # none, or they lead: a request's last block, partial
+            if uncached:
+                self._front.extend(blocks[:uncached])
+                blocks = blocks[uncached:]
+            if blocks:
+                self._append(blocks)
         else:
-            self._append(blocks)
-        self._count += len(blocks)
+            held = list(map(is_not, keys, repeat(None)))
+            self._front.extend(compress(blocks, map(not_, held)))
+            self._append(list(compress(blocks, held)))
+        self._count += len(keys)
 
     def _append(self, blocks: list[Block]) -> None:
         order = self._order
