@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import OrderedDict
 from itertools import takewhile
@@ -23,6 +24,29 @@ def _keys(n: int, start: int = 0) -> list[int]:
 
 
 # ---- block pool --------------------------------------------------------------------------
+def test_a_pools_blocks_start_no_collection_and_the_collector_is_left_as_it_was():
+    """A pool's blocks hold no cycles: made with the collector paused, 28,000 of them start at most
+    one collection, once it is back (the interpreter's threshold would start one every 700: 40);
+    it is enabled again only if it was."""
+    runs: list[str] = []
+
+    def count(phase: str, info: dict) -> None:
+        runs.append(phase)
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        assert len(BlockPool(28_000, 16, events=False).blocks) == 28_000
+    finally:
+        gc.callbacks.remove(count)
+    assert runs.count("start") <= 1 and gc.isenabled()
+    gc.disable()
+    try:
+        BlockPool(8, 4)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_cached_blocks_are_found_by_prefix_and_stored_events_carry_tokens():
     pool = BlockPool(8, 4)
     blocks = pool.allocate(3)

@@ -5,12 +5,14 @@ runs' outputs, prefill/decode pools and data-parallel lockstep."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import msgspec
 import pytest
 
 from kvlab.errors import ConfigError
+from kvlab.lifecycle import GC_GEN0_DEFAULT
 from kvlab.load.measure import Record
 from kvlab.load.summary import read_summary
 from kvlab.run.document import read_run
@@ -330,3 +332,19 @@ def test_chunked_decoding_the_decode_fast_forward_changes_no_figure(monkeypatch)
     slow = _chunked(monkeypatch, "kv-aware-chunked-16")[0]._records
     assert [(r.replica, r.cached_tokens, r.output_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in slow] \
         == [(r.replica, r.cached_tokens, r.output_tokens, round(r.ttft_ms or 0, 6), round(r.e2e_ms, 6)) for r in fast]
+
+
+def test_a_run_collects_cycles_seldom_and_leaves_the_collector_as_it_found_it():
+    """A run raises the collector's gen-0 threshold to a served process's (the interpreter's 700
+    walked the young objects every few requests) and puts it back, even when the run fails."""
+    before = gc.get_threshold()
+    seen: list[int] = []
+    cluster = Cluster(resolve(msgspec.structs.replace(SMALL, requests=20)), keep_keys=False)
+    assert len(cluster.run(lambda n: seen.append(gc.get_threshold()[0])).records) == 20
+    assert set(seen) == {GC_GEN0_DEFAULT} and gc.get_threshold() == before
+
+    def fail(n: int) -> None:
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        Cluster(resolve(SMALL), keep_keys=False).run(fail)
+    assert gc.get_threshold() == before

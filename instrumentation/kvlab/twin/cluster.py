@@ -20,6 +20,7 @@ run that stops advancing ends with an error).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heappop
@@ -29,6 +30,7 @@ from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.scheduler import FINISHED
 from kvlab.engine.sim.transfer import Pull, reserve
 from kvlab.kvcache.events import Event
+from kvlab.lifecycle import GC_GEN0_DEFAULT
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
 from kvlab.twin.clients import Clients
@@ -90,6 +92,17 @@ class Cluster:
 
     def run(self, progress: Callable[[int], None] | None = None) -> Outcome:
         """Send the plan's requests, run until every one finished; `progress(n)` after each finishes."""
+        # few cycles die in a run, yet the interpreter's gen-0 threshold of 700 walked the young
+        # objects 680 times and every block of every pool 5 times in 16 x 10,000 (1 s); a served
+        # process's threshold (lifecycle.settle_gc) for the run's length: 0.1 s (docs/benchmarks.md)
+        before = gc.get_threshold()
+        gc.set_threshold(GC_GEN0_DEFAULT, *before[1:])
+        try:
+            return self._run(progress)
+        finally:
+            gc.set_threshold(*before)
+
+    def _run(self, progress: Callable[[int], None] | None) -> Outcome:
         plan, clock = self.plan, self.clock
         self.clients = Clients(plan, self.feed, clock)
         # blocks a single prompt holds are looked up only by it, before it is sent anywhere: the
