@@ -8,7 +8,8 @@
 Each case runs in a fresh process, so its peak RSS is its own. Prints, per case, the wall and CPU time of
 the run (settings parsed and the trace read before the clock starts; with `--oracle`, the oracle's
 ceiling after the run counted too, as `kvlab twin` computes it), requests simulated per second,
-the virtual time simulated and the speed-up over real time, the engine steps and the peak RSS.
+the virtual time simulated and the speed-up over real time, the engine steps, the time spent in
+the cyclic garbage collector (part of the CPU time) and the peak RSS.
 With `--before`, every case runs first on that checkout's `instrumentation` directory, then on
 this one, interleaved, so a loaded machine's noise falls on both alike. With `--where`, a sampling
 profile of each run (its CPU time, a sample a millisecond) says which part of kvlab the time is spent
@@ -21,6 +22,7 @@ not overstated. Goal (docs/benchmarks.md):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -84,6 +86,27 @@ class Where:
         return {part: n / total for part, n in self.samples.most_common()}
 
 
+class Collections:
+    """Wall time spent in the cyclic garbage collector while entered (its callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def one(case: str, a: argparse.Namespace) -> dict[str, Any]:
     """Run one case in this process; its figures."""
     from kvlab.load.oracle import ceiling
@@ -97,7 +120,7 @@ def one(case: str, a: argparse.Namespace) -> dict[str, Any]:
     feed = Feed(plan.workload)
     where = Where()
     start, cpu = time.perf_counter(), time.process_time()
-    with where if a.where else nullcontext():
+    with where if a.where else nullcontext(), Collections() as collections:
         cluster = Cluster(plan, feed, keep_keys=a.oracle)
         out = cluster.run()
         hit = None
@@ -106,7 +129,7 @@ def one(case: str, a: argparse.Namespace) -> dict[str, Any]:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     done = [r for r in out.records if r.ttft_ms is not None]
     return {"replicas": replicas, "requests": len(out.records), "wall_s": wall, "cpu_s": cpu, "virtual_s": out.virtual_s,
-            "steps": out.steps, "ttft_p50_ms": sorted(r.ttft_ms for r in done)[len(done) // 2] if done else 0.0,
+            "steps": out.steps, "gc_s": collections.seconds, "ttft_p50_ms": sorted(r.ttft_ms for r in done)[len(done) // 2] if done else 0.0,
             "oracle": hit if hit is not None else -1.0,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "where": where.shares()}
 
@@ -126,7 +149,7 @@ def row(label: str, f: dict[str, Any]) -> str:
     where = "".join(f"\n{'':>7} {share:>5.0%} {part}" for part, share in f["where"].items())
     return (f"{label:>7} {f['replicas']:>8.0f} {f['requests']:>8.0f} {f['wall_s']:>8.1f} {f['cpu_s']:>7.1f} "
             f"{f['requests'] / f['wall_s']:>8.0f} {f['virtual_s']:>10.0f} {f['virtual_s'] / f['wall_s']:>8.0f}x "
-            f"{f['steps']:>10.0f} {f['ttft_p50_ms']:>11.0f} {f['rss_mib']:>12.0f}{where}")
+            f"{f['steps']:>10.0f} {f['ttft_p50_ms']:>11.0f} {f['gc_s']:>5.2f} {f['rss_mib']:>12.0f}{where}")
 
 
 def main() -> None:
@@ -155,7 +178,7 @@ def main() -> None:
     if a.where:
         argv.append("--where")
     print(f"{'code':>7} {'replicas':>8} {'requests':>8} {'wall s':>8} {'CPU s':>7} {'req/s':>8} {'virtual s':>10} "
-          f"{'× real':>9} {'steps':>10} {'TTFT p50 ms':>11} {'peak RSS MiB':>12}", flush=True)
+          f"{'× real':>9} {'steps':>10} {'TTFT p50 ms':>11} {'GC s':>5} {'peak RSS MiB':>12}", flush=True)
     for case in a.cases.split(","):
         before = spawn(case, argv, a.before) if a.before else None
         if before is not None:

@@ -1,14 +1,16 @@
 """benchmarks/twin_speed.py `--where`: a sample counts for the part of the innermost kvlab function
-on the stack, so the figures in docs/benchmarks.md say where a twin run's time goes."""
+on the stack, so the figures in docs/benchmarks.md say where a twin run's time goes; its "GC s"
+counts the collector's time in the run only."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from twin_speed import Where
+from twin_speed import Collections, Where
 
 
 def _frame_in(*files: str) -> FrameType:
@@ -40,3 +42,16 @@ def test_a_sample_counts_for_the_innermost_kvlab_functions_part() -> None:
     where._sample(0, _frame_in("/usr/lib/python3.11/heapq.py"))   # no kvlab frame at all
     assert where.samples == {"block pools": 1, "engine scheduler": 1, "other": 2}
     assert where.shares() == {"other": 0.5, "block pools": 0.25, "engine scheduler": 0.25}
+
+
+def test_the_collectors_time_counts_only_collections_while_entered() -> None:
+    garbage = [[] for _ in range(200_000)]
+    for x in garbage:
+        x.append(x)   # cycles: only the collector frees them
+    with Collections() as c:
+        del garbage
+        gc.collect()
+    assert c.seconds > 0 and c._callback not in gc.callbacks
+    took = c.seconds
+    gc.collect()
+    assert c.seconds == took
