@@ -93,8 +93,8 @@ class Cluster:
     def run(self, progress: Callable[[int], None] | None = None) -> Outcome:
         """Send the plan's requests, run until every one finished; `progress(n)` after each finishes."""
         # few cycles die in a run, yet the interpreter's gen-0 threshold of 700 walked the young
-        # objects 680 times and every block of every pool 5 times in 16 x 10,000 (1 s); a served
-        # process's threshold (lifecycle.settle_gc) for the run's length: 0.1 s (docs/benchmarks.md)
+        # objects about 100 times and every pool's blocks once more in 16 x 10,000 (0.4 s); a
+        # served process's threshold (lifecycle.settle_gc) for the run's length (docs/benchmarks.md)
         before = gc.get_threshold()
         gc.set_threshold(GC_GEN0_DEFAULT, *before[1:])
         try:

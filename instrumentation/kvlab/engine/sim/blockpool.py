@@ -184,7 +184,7 @@ class BlockPool:
         refs = list(map(sub, map(_ref_cnt, blocks), repeat(1)))
         deque(map(setattr, blocks, repeat("ref_cnt"), refs), maxlen=0)
         unused = refs.count(0)
-        if unused == refs[:unused].count(0):   # none, or they lead: the blocks before them still shared
+        if unused == refs[:unused].count(0):   # none, or they come first: the still shared ones (a prompt's first) last
             if unused:
                 self._free.push(blocks[:unused])
         else:
