@@ -24,7 +24,7 @@ def _keys(n: int, start: int = 0) -> list[int]:
 
 
 # ---- block pool --------------------------------------------------------------------------
-def test_a_pools_blocks_start_no_collection_and_the_collector_is_left_as_it_was():
+def test_a_pools_blocks_start_at_most_one_collection_and_the_collector_is_left_as_it_was():
     """A pool's blocks hold no cycles: made with the collector paused, 28,000 of them start at most
     one collection, once it is back (the interpreter's threshold would start one every 700: 40);
     it is enabled again only if it was."""
@@ -190,10 +190,10 @@ def test_free_queue_evicts_in_the_order_of_an_lru_kept_block_by_block(seed, spar
     monkeypatch.setattr(freequeue, "_SPARE", spare)
     rng = random.Random(seed)
     pool, ref = BlockPool(48, 4, events=False), _LruByHand(48)
-    held: list[tuple[list, list[int]]] = []
+    held: list[list] = []   # each running request's blocks
     for step in range(8000):
         if held and (rng.random() < 0.45 or len(held) > 6):
-            blocks, ids = held.pop(rng.randrange(len(held)))
+            blocks = held.pop(rng.randrange(len(held)))
             order = list(reversed(blocks))
             if rng.random() < 0.3:   # any order: uncached and still shared blocks anywhere in it
                 rng.shuffle(order)
@@ -219,7 +219,7 @@ def test_free_queue_evicts_in_the_order_of_an_lru_kept_block_by_block(seed, spar
             full = n - len(hits) - (0 if hot else rng.randrange(2))   # the last block sometimes partial
             pool.cache(new[:full], keys[len(hits):len(hits) + full], None, [])
             ref.cache([b.id for b in new[:full]], keys[len(hits):len(hits) + full])
-            held.append((hits + new, [b.id for b in hits + new]))
+            held.append(hits + new)
         assert pool.num_free == len(ref.free)
 
 
