@@ -178,7 +178,7 @@ for label, d in mechanism.examples(decisions).items():
 # ## Checkpoints
 # The cells below assert:
 # - the kv-aware phase completes without errors
-# - TTFT p50 at least 2× lower, and more requests per second, than the baseline
+# - TTFT p50 at least 1.3× lower, and more requests per second, than the baseline
 # - locally: delivered hit rate +20 points; available − predicted ≤ 10 points; prefix groups on fewer
 #   replicas; the two mechanism pictures drawn
 
@@ -186,7 +186,8 @@ for label, d in mechanism.examples(decisions).items():
 b, a = summaries["round-robin"], summaries["kv-aware"]
 assert a.errors == 0 and a.ok >= 20, f"the kv-aware phase should complete cleanly ({a.ok} ok, {a.errors} errors)"
 assert a.ttft_ms.p50 < b.ttft_ms.p50, "kv-aware TTFT p50 should be below the baseline's"
-assert ratios["ttft_p50_speedup"] >= 2, f"expected at least 2× lower TTFT p50, got {ratios['ttft_p50_speedup']}×"
+# a margin measured on a busy machine: 26 runs under the full test suite (2-core VM) gave 1.5× to 12.6×, most over 4×
+assert ratios["ttft_p50_speedup"] >= 1.3, f"expected at least 1.3× lower TTFT p50, got {ratios['ttft_p50_speedup']}×"
 assert a.rps > b.rps, "fewer recomputed tokens should mean more requests per second"
 if TARGET == "local":
     ha, hb = a.hit_rate, b.hit_rate
@@ -201,7 +202,7 @@ print(f"✓ {headline(summaries)}")
 # ## Troubleshooting
 # | symptom | what to do |
 # |---|---|
-# | speed-up below 2× | the machine was busy during one phase (noisy neighbours on 2 cores). Re-run both labs; `kvlab lab` (60 s phases) gives steadier numbers. |
+# | speed-up below 1.3× | the machine was busy during one phase (noisy neighbours on 2 cores). Re-run both labs; `kvlab lab` (60 s phases) gives steadier numbers. |
 # | kv-aware `available − predicted` large | the index is not fed: `curl <gateway>/debug/endpoints` should show `events.state` connected and `index.precise_blocks` > 0; read `runs/<id>/logs/gateway-kv-aware.log`. |
 # | baseline re-ran unexpectedly | lab 01 used other parameters (workload, users, duration, seed) or another stack; the baseline must match to compare. |
 # | kind: hit rates missing for the baseline | the cluster's baseline is a plain Service; only the gateway reports available/predicted. |
