@@ -226,8 +226,8 @@ print("kv-aware decisions by reason:", reasons)
 # The cells below assert:
 # - one trace id spans client, gateway and replica, the replica's prefill span included
 # - kv-aware chose the replica with the best prefix; round-robin left cache unused (shadow scores)
-# - round-robin left at least 10 points more of the available cache unused (available − predicted)
-#   than kv-aware
+# - kv-aware lost at most 10 points of the available cache to routing (available − predicted),
+#   round-robin at least 10 points more
 # - the probe was routed for load (`load-over-prefix`), leaving the holder's cache unused
 
 # %%
@@ -243,8 +243,9 @@ assert d.chosen == sample.replica and d.predicted == d.available, "kv-aware chos
 assert d_rr.shadow and d_rr.available > d_rr.predicted, "round-robin ignored a cached prefix (shadow scores)"
 stats = summarize(rows)
 # the cache lost to routing, not the hit rate: a short phase on a busy machine has few warm requests
-unused = {p: stats[p]["available"] - stats[p]["predicted"] for p in ("round-robin", "kv-aware")}
-assert unused["round-robin"] >= unused["kv-aware"] + 0.1, f"kv-aware should capture more of the cache there was: {unused}"
+lost = {p: stats[p]["available"] - stats[p]["predicted"] for p in ("round-robin", "kv-aware")}
+assert lost["kv-aware"] <= 0.1 and lost["round-robin"] >= lost["kv-aware"] + 0.1, \
+    f"kv-aware should lose little cache to routing, round-robin more: {lost}"
 assert d_probe.reason == "load-over-prefix", f"the probe should be routed for load, got reason {d_probe.reason}"
 assert d_probe.chosen != holder and d_probe.available > d_probe.predicted, "the probe left the holder's cache unused"
 print("✓ traced one request end to end, read two routing decisions and found load chosen over cache")
