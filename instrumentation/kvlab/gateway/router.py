@@ -25,6 +25,7 @@ from kvlab.gateway.pull import PullDecision, decide
 from kvlab.gateway.scheduler.base import Decision, Ranker, RouteRequest
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.kvcache.intervals import IntervalIndex
 
 
 @dataclass(slots=True)
@@ -40,7 +41,7 @@ class Routed:
 
 
 class Router:
-    def __init__(self, cfg: PolicyConfig, registry: Registry, precise: PreciseIndex,
+    def __init__(self, cfg: PolicyConfig, registry: Registry, precise: PreciseIndex | IntervalIndex,
                  approx: ApproximateIndex, ranker: Ranker, fallback: bool = True) -> None:
         self.cfg = cfg
         # False where event streams never go stale (the twin): the approximate index then learns
@@ -87,7 +88,7 @@ class Router:
                  sizes: dict[str, int], index_of: dict[str, str]) -> dict[str, int]:
         """Of each precise replica's prefix, the tokens held only in its CPU tier (empty unless the
         policy weighs that tier and some replica reported one)."""
-        if self.cfg.index.tiers.cpu <= 0 or not self.precise.table.offloaded:
+        if self.cfg.index.tiers.cpu <= 0 or not self.precise.offloads:
             return {}
         precise = {r.name: sizes[r.name] for r in replicas if index_of.get(r.name) == "precise"}
         gpu = self.precise.match(keys_by_size, precise)

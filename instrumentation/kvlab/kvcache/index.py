@@ -165,6 +165,11 @@ class PreciseIndex:
     def blocks(self, replica: str) -> int:
         return len(self._engine.get(replica, ()))
 
+    @property
+    def offloads(self) -> bool:
+        """Whether some replica reported blocks in its CPU tier."""
+        return bool(self.table.offloaded)
+
     def cpu_blocks(self, replica: str) -> int:
         return len(self._offloaded.get(replica, ()))
 

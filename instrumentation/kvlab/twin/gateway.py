@@ -26,6 +26,7 @@ from kvlab.gateway.scheduler import presets
 from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.hashing import continue_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
+from kvlab.kvcache.intervals import IntervalIndex
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
 from kvlab.twin.clock import SUBMIT, Clock
@@ -53,8 +54,14 @@ class Gateway:
         self.info = info
         cfg = plan.policy
         ttl = cfg.index.speculative_ttl_s if info.speculative_ttl_s is None else info.speculative_ttl_s
-        # the twin's engines hash as the gateway does: their KV events carry its keys
-        self.precise = PreciseIndex(ttl, clock=clock.seconds, engine_keys=True)
+        # the twin's engines hash as the gateway does: their KV events carry its keys. A trace's
+        # keys ascend in runs (keys.py): on untyped GPU-only replicas the index keeps intervals
+        self.precise: PreciseIndex | IntervalIndex
+        if feed.keys_ascend(plan.sim.block_size) and all(r.pool.tier is None and r.pool.typed is None
+                                                         for r in replicas):
+            self.precise = IntervalIndex(len(replicas), ttl, clock=clock.seconds)
+        else:
+            self.precise = PreciseIndex(ttl, clock=clock.seconds, engine_keys=True)
         self.approx = ApproximateIndex(cfg.index.approx_capacity_blocks)
         self.by_name = {r.name: r for r in replicas}
         self.registry = Registry()
