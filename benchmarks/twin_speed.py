@@ -39,7 +39,7 @@ from typing import Any
 _HERE = Path(__file__).resolve()
 # the parts of a twin run, by the modules (under instrumentation/kvlab/) their code is in; first match wins
 PARTS = (("block pools", ("engine/sim/blockpool.py", "engine/sim/freequeue.py", "engine/sim/retention.py",
-                          "engine/sim/tier.py", "engine/sim/transfer.py")),
+                          "engine/sim/tier.py", "engine/sim/transfer.py", "engine/sim/runpool.py")),
          ("engine scheduler", ("engine/sim/",)),
          ("precise index", ("kvcache/",)),
          ("router", ("gateway/",)),

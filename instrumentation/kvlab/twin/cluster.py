@@ -27,6 +27,7 @@ from heapq import heappop
 from typing import cast
 
 from kvlab.engine.sim.length import too_long
+from kvlab.engine.sim.runpool import RunPool
 from kvlab.engine.sim.scheduler import FINISHED
 from kvlab.engine.sim.transfer import Pull, reserve
 from kvlab.kvcache.events import Event
@@ -65,13 +66,18 @@ class Cluster:
         self.info = plan.information
         self.clock = Clock()
         events = plan.policy.index.kind == "precise"
-        self.replicas = [Replica(m, plan.profile, plan.sim, plan.num_blocks, events)
-                         for m in plan.members]
         self.feed = feed or Feed(plan.workload)
+        # a trace's keys ascend in runs (keys.py): untyped replicas with no CPU tier keep their
+        # blocks, and the gateway its index, by key runs (engine/sim/runpool.py, kvcache/intervals.py)
+        sim = plan.sim
+        runs = (self.feed.keys_ascend(sim.block_size) and not (sim.cpu_kv_blocks or plan.profile.cpu_kv_blocks)
+                and sim.typed_retention is None)
+        self._runs = runs
+        self.replicas = [Replica(m, plan.profile, sim, plan.num_blocks, events, runs) for m in plan.members]
         sampler = join_ranks(plan, self.replicas, self.feed.tok.tok)
         for r in self.replicas:
             r.backend.events_state = "live" if events else "none"
-        self.gateway = Gateway(plan, self.replicas, self.feed, self.clock, sampler, keep_keys)
+        self.gateway = Gateway(plan, self.replicas, self.feed, self.clock, sampler, keep_keys, runs)
         self.by_name = self.gateway.by_name
         self._pending_events: dict[str, list[Event]] = {}
         self._cruising: dict[Replica, None] = {}   # insertion order: runs stay deterministic
@@ -108,6 +114,9 @@ class Cluster:
         # blocks a single prompt holds are looked up only by it, before it is sent anywhere: the
         # index keeps none of them (twin/keys.py), the router's answers are the same
         self.gateway.precise.unread_from = self.feed.unread(plan.sim.block_size)
+        if self._runs:   # the pools are empty yet: from where their keys are kept one by one (hashed)
+            for r in self.replicas:
+                cast(RunPool, r.pool).bound = self.feed.key_bound(plan.sim.block_size)
         self._progress = progress
         self._scrape = 0              # the scrapes' grid: the k-th is at k × the interval
         self._sampled_ms = sum(st.duration for st in plan.stages) * 1000.0   # a stepped ramp's length

@@ -22,7 +22,7 @@ from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
 from kvlab.load.workloads import Workload
 from kvlab.load.workloads.trace import Trace, TraceRow, _single_token_words
-from kvlab.twin.keys import MIN_BLOCK, TraceKeys
+from kvlab.twin.keys import HASHED, MIN_BLOCK, TraceKeys
 
 _MARK = "\x00twin\x00"
 _POOL = 1 << 20   # random word ids trace blocks are windows of
@@ -88,6 +88,10 @@ class Feed:
     def keys_ascend(self, block_size: int) -> bool:
         """Whether every prompt's keys ascend (a trace's, keyed by its structure: keys.py)."""
         return isinstance(self.workload, Trace) and block_size >= MIN_BLOCK
+
+    def key_bound(self, block_size: int) -> int:
+        """Where the keys ascend, a key every prompt's keys stay below (keys.py)."""
+        return self._keys.bound(block_size) if self._keys is not None else HASHED
 
     def unread(self, block_size: int) -> int | None:
         """From which key up no lookup reads a block (keys.py); None unless the stream is a trace's,

@@ -44,7 +44,7 @@ class Gateway:
     oracle."""
 
     def __init__(self, plan: Plan, replicas: list[Replica], feed: Feed, clock: Clock,
-                 sampler: Sampler | None, keep_keys: bool) -> None:
+                 sampler: Sampler | None, keep_keys: bool, runs: bool) -> None:
         self.plan = plan
         self.clock = clock
         self.feed = feed
@@ -54,11 +54,10 @@ class Gateway:
         self.info = info
         cfg = plan.policy
         ttl = cfg.index.speculative_ttl_s if info.speculative_ttl_s is None else info.speculative_ttl_s
-        # the twin's engines hash as the gateway does: their KV events carry its keys. A trace's
-        # keys ascend in runs (keys.py): on untyped GPU-only replicas the index keeps intervals
+        # the twin's engines hash as the gateway does: their KV events carry its keys; kept by key
+        # intervals where the keys ascend in runs (`runs`: Cluster says where)
         self.precise: PreciseIndex | IntervalIndex
-        if feed.keys_ascend(plan.sim.block_size) and all(r.pool.tier is None and r.pool.typed is None
-                                                         for r in replicas):
+        if runs:
             self.precise = IntervalIndex(len(replicas), ttl, clock=clock.seconds)
         else:
             self.precise = PreciseIndex(ttl, clock=clock.seconds, engine_keys=True)

@@ -42,7 +42,7 @@ import numpy as np
 from kvlab.kvcache.hashing import block_keys
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
-_HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
+HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
 
 
 class TraceKeys:
@@ -94,7 +94,13 @@ class TraceKeys:
         if not self._rounds or block_size < MIN_BLOCK:
             return None
         line = self.head // block_size + 1 + self._rounds * self._round(block_size)
-        return line if 2 * line < _HASHED else None   # billions of rounds: keys that big would be hashes'
+        return line if 2 * line < HASHED else None   # billions of rounds: keys that big would be hashes'
+
+    def bound(self, block_size: int) -> int:
+        """Every structural key (at this block size) stays below it: hashed keys (an answer's
+        blocks) are almost all above."""
+        line = self.unread(block_size)
+        return HASHED if line is None else line + self._rounds * self._round(block_size)
 
     def _round(self, block_size: int) -> int:
         """How many keys one round's trace blocks and tails can take."""

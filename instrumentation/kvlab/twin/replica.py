@@ -4,12 +4,13 @@ of a data-parallel (or MoE) replica step together (`Lockstep`), as `kvlab engine
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from kvlab.contract import Endpoint
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.dp import LockstepGroup, lockstep_group
 from kvlab.engine.sim.profile import LatencyProfile
+from kvlab.engine.sim.runpool import RunPool
 from kvlab.engine.sim.sampler import Sampler
 from kvlab.engine.sim.scheduler import Batch, Scheduler
 from kvlab.gateway.endpoints import Backend
@@ -25,12 +26,15 @@ class Replica:
                  "scale", "sched", "steps")
 
     def __init__(self, member: Member, profile: LatencyProfile, sim: SimSettings, num_blocks: int,
-                 events: bool) -> None:
+                 events: bool, runs: bool) -> None:
         self.name = member.name
         self.profile = profile
         self.scale = sim.time_scale
-        self.pool = BlockPool(num_blocks, sim.block_size, events=events,
-                              cpu_blocks=sim.cpu_kv_blocks or profile.cpu_kv_blocks, pinned_share=sim.typed_retention)
+        # by key runs where a trace's keys ascend, untyped and GPU only: a RunPool answers the
+        # BlockPool calls the scheduler and a P/D pull make, its blocks a `Held` used as the list is
+        self.pool = cast(BlockPool, RunPool(num_blocks, sim.block_size, events=events)) if runs else \
+            BlockPool(num_blocks, sim.block_size, events=events, cpu_blocks=sim.cpu_kv_blocks or profile.cpu_kv_blocks,
+                      pinned_share=sim.typed_retention)
         # the gateway's own hash family (seed 0), unlike `kvlab engine sim`'s per-rank seeds: a
         # prompt is hashed once, by the router, and the KV events carry the gateway's keys (no
         # figure depends on a key's value)

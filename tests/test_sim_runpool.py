@@ -1,0 +1,123 @@
+"""The pool on key runs (the twin's) answers as the simulator's block pool does: both driven by the same
+random calls, as the scheduler and a P/D pull make them (lookups, hits taken, blocks allocated
+with eviction, cached, freed tail first), on keys shaped as the twin's; every count and every KV
+event compared after each call."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvlab.engine.sim.blockpool import BlockPool
+from kvlab.engine.sim.runpool import Held, RunPool, key_runs
+
+BS = 4
+
+
+def prompt_keys(rng: random.Random) -> list[int]:
+    """Ascending keys in runs: a shared head, pieces of a few branches; sometimes continued by
+    hashed blocks (a prompt continued over an answer)."""
+    keys = list(range(1, 1 + rng.randrange(1, 5)))
+    at = 10
+    for _ in range(rng.randrange(0, 4)):
+        at += rng.randrange(0, 40)
+        n = rng.randrange(1, 12)
+        keys.extend(range(at, at + n))
+        at += n
+    if rng.random() < 0.15:
+        keys.extend(rng.getrandbits(64) for _ in range(rng.randrange(1, 4)))
+    return keys
+
+
+class Req:
+    def __init__(self, keys: list[int]) -> None:
+        self.keys = keys
+        self.old: list = []
+        self.new: Held | list = []
+
+
+def check(old: BlockPool, new: RunPool, step: int) -> None:
+    assert (old.num_free, old.num_cached) == (new.num_free, new.num_cached), step
+    assert old.take_events() == new.take_events(), step
+
+
+def drive(seed: int, blocks: int, steps: int = 1500) -> None:
+    rng = random.Random(seed)
+    old, new = BlockPool(blocks, BS), RunPool(blocks, BS, bound=rng.choice([1 << 62, 30]))
+    shapes = [prompt_keys(rng) for _ in range(25)]
+    running: list[Req] = []
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.35 or not running:   # admit: hits taken, the rest allocated (or given back)
+            req = Req(list(rng.choice(shapes)))
+            cap = rng.randrange(0, len(req.keys) + 1)
+            hits_o, hits_n = old.cached_prefix(req.keys[:cap]), new.cached_prefix(req.keys[:cap])
+            assert len(hits_o) == len(hits_n), step
+            need = max(len(req.keys) - len(hits_o), 0) + rng.randrange(0, 3) - rng.randrange(0, 2)
+            old.touch(hits_o)
+            new.touch(hits_n)
+            got_o, got_n = old.allocate(max(need, 0)), new.allocate(max(need, 0))
+            assert (got_o is None) == (got_n is None), step
+            if got_o is None or got_n is None:
+                old.free(reversed(hits_o))
+                new.free(reversed(hits_n))
+            else:
+                req.old, req.new = hits_o + got_o, hits_n + got_n
+                running.append(req)
+        elif op < 0.6:   # cache what is computed, as Scheduler._cache_blocks does
+            req = rng.choice(running)
+            end = rng.randrange(0, len(req.old) + 1)
+            while len(req.keys) < end:   # an answer's blocks, hashed
+                req.keys.append(rng.getrandbits(64))
+            start = 0
+            while start < end and req.old[start].key == req.keys[start]:
+                start += 1
+            other = 0
+            while other < end and req.new[other].key == req.keys[other]:
+                other += 1
+            assert start == other, step
+            if start < end and all(b.key is None for b in req.old[start:end]):
+                parent = req.keys[start - 1] if start else None
+                tokens = list(range((end - start) * BS))
+                old.cache(req.old[start:end], req.keys[start:end], parent, tokens)
+                new.cache(req.new[start:end], req.keys[start:end], parent, tokens)
+        elif op < 0.75:   # grow by decode
+            req = rng.choice(running)
+            n = rng.randrange(1, 3)
+            got_o, got_n = old.allocate(n), new.allocate(n)
+            assert (got_o is None) == (got_n is None), step
+            if got_o is not None and got_n is not None:
+                req.old.extend(got_o)
+                req.new.extend(got_n)
+        else:   # finish or preempt: freed tail first
+            req = running.pop(rng.randrange(len(running)))
+            old.free(reversed(req.old))
+            new.free(reversed(req.new))
+        check(old, new, step)
+        probe = rng.choice(shapes)
+        assert len(old.cached_prefix(probe)) == len(new.cached_prefix(probe)), step
+        assert all(old.is_cached(k) == new.is_cached(k) for k in probe), step
+    for req in running:
+        old.free(reversed(req.old))
+        new.free(reversed(req.new))
+    check(old, new, steps)
+    assert old.num_free == new.num_free == blocks
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_run_pool_answers_as_the_block_pool(seed):
+    drive(seed, blocks=[30, 60, 120][seed % 3])
+
+
+def test_keys_in_no_order_are_split_into_runs_all_the_same():
+    assert key_runs([1, 2, 3, 10, 11, 99, 5, 6], 1 << 62) == [(1, 4), (10, 12), (99, 100), (5, 7)]
+    assert key_runs([4, 5, 6], 1 << 62) == [(4, 7)]
+    assert key_runs([4, 5, 6, 7], 6) == [(4, 6), (6, 8)]   # none across the bound
+
+
+def test_a_run_pool_frees_only_what_it_handed_out():
+    pool = RunPool(4, BS)
+    pool.free(reversed([]))
+    with pytest.raises(TypeError):
+        pool.free([object()])
