@@ -135,27 +135,31 @@ def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_p
     from kvlab.twin.settings import TwinSettings, resolve
 
     def records() -> bytes:
-        plan = resolve(TwinSettings(topology=topology, trace=str(trace_path), requests=40, time_scale=0.2))
+        plan = resolve(TwinSettings(topology=topology, trace=str(trace_path), requests=40, time_scale=0.2,
+                                    num_blocks=600))   # few: blocks are evicted, stale LRU entries skipped
         return msgspec.json.encode(Cluster(plan).run().records)
 
-    structural = records()   # on the interval index (kvcache/intervals.py): the keys ascend
+    structural = records()   # by key runs (runpool.py, kvcache/intervals.py): the keys ascend
     monkeypatch.setattr(Feed, "keys_ascend", lambda self, bs: False)
-    assert records() == structural   # the same keys on the precise index
+    assert records() == structural   # the same keys on BlockPool and the precise index
     monkeypatch.setattr(Feed, "block_keys", lambda self, prompt, bs: block_keys(prompt.tokens, bs))
     monkeypatch.setattr(Feed, "unread", lambda self, bs: None)
     assert records() == structural
 
 
-def test_a_trace_run_keeps_its_index_on_intervals_where_it_can(trace_path):
+def test_a_trace_run_keeps_its_index_and_pools_by_key_runs_where_it_can(trace_path):
+    from kvlab.engine.sim.blockpool import BlockPool
+    from kvlab.engine.sim.runpool import RunPool
     from kvlab.kvcache.index import PreciseIndex
     from kvlab.kvcache.intervals import IntervalIndex
     from kvlab.twin.cluster import Cluster
     from kvlab.twin.settings import TwinSettings, resolve
 
-    def index(**kw: object) -> type:
-        return type(Cluster(resolve(TwinSettings(**kw))).gateway.precise)   # type: ignore[arg-type]
+    def kinds(**kw: object) -> tuple[type, set[type]]:
+        cluster = Cluster(resolve(TwinSettings(**kw)))   # type: ignore[arg-type]
+        return type(cluster.gateway.precise), {type(r.pool) for r in cluster.replicas}
 
-    assert index(trace=str(trace_path)) is IntervalIndex
-    assert index(trace=str(trace_path), block_size=4) is PreciseIndex   # hashed: keys in no order
-    assert index(trace=str(trace_path), topology="tiered") is PreciseIndex   # a CPU tier
-    assert index() is PreciseIndex   # a chat workload's keys are hashed
+    assert kinds(trace=str(trace_path)) == (IntervalIndex, {RunPool})
+    assert kinds(trace=str(trace_path), block_size=4) == (PreciseIndex, {BlockPool})   # hashed: keys in no order
+    assert kinds(trace=str(trace_path), topology="tiered") == (PreciseIndex, {BlockPool})   # a CPU tier
+    assert kinds() == (PreciseIndex, {BlockPool})   # a chat workload's keys are hashed
