@@ -21,6 +21,7 @@ run that stops advancing ends with an error).
 from __future__ import annotations
 
 import gc
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heappop
@@ -30,7 +31,7 @@ from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.runpool import RunPool
 from kvlab.engine.sim.scheduler import FINISHED
 from kvlab.engine.sim.transfer import Pull, reserve
-from kvlab.kvcache.events import Event
+from kvlab.kvcache.events import BlockStored, Event
 from kvlab.lifecycle import GC_GEN0_DEFAULT
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
@@ -373,6 +374,13 @@ class Cluster:
 
     def _publish(self, replica: Replica) -> None:
         events = replica.pool.take_events()
+        unread = self.gateway.precise.unread_from
+        if unread is not None and events:
+            # blocks the index would not store (an answer's, mostly: a stored event a decode step):
+            # not delivered, the same answers for no event in the loop (kvcache/index.py)
+            read = unread.__le__
+            events = [e for e in events if not isinstance(e, BlockStored)
+                      or bisect_left(cast(list[int], e.block_hashes), True, key=read)]
         if not events:
             return
         info = self.info

@@ -80,8 +80,9 @@ class Held:
         return out
 
     def extend(self, other: Held) -> None:
-        n = self.n
-        self.runs.extend((p + n, a, b) for p, a, b in other.runs)
+        if other.runs:   # fresh blocks (the usual case) are anonymous
+            n = self.n
+            self.runs.extend((p + n, a, b) for p, a, b in other.runs)
         self.n += other.n
 
     def __reversed__(self) -> Freed:
