@@ -376,8 +376,8 @@ class Cluster:
         events = replica.pool.take_events()
         unread = self.gateway.precise.unread_from
         if unread is not None and events:
-            # blocks the index would not store (an answer's, mostly: a stored event a decode step):
-            # not delivered, the same answers for no event in the loop (kvcache/index.py)
+            # a stored event the index would skip whole (mostly a decode step's answer blocks) is
+            # not delivered: the same answers, an event fewer in the loop (kvcache/index.py)
             read = unread.__le__
             events = [e for e in events if not isinstance(e, BlockStored)
                       or bisect_left(cast(list[int], e.block_hashes), True, key=read)]

@@ -359,14 +359,8 @@ class RunPool:
                     else:
                         lru.append((a, b))
 
-    def classify(self, blocks: object, classes: Sequence[int]) -> None:
-        """No retention classes here."""
-
     def reset(self) -> None:
         raise NotImplementedError("a run pool is never reset (the twin does not)")
-
-    def emit(self, event: Event) -> None:
-        self._events.append(event)
 
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []
