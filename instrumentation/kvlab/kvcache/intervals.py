@@ -184,13 +184,11 @@ class IntervalIndex:
         for first, end in spans:
             i, j = pending.span(first, end)
             values = pending.values[i:j]
-            lengths = pending.lengths(i, j, end)
-            starts = pending.starts
-            for k, (v, n) in enumerate(zip(values, lengths)):
+            for k, (a, b, v) in enumerate(zip(pending.starts[i:j], pending.starts[i + 1:j + 1], values)):
                 if v is not None and (until is None or v <= until):
-                    a = starts[i + k]
-                    gone.append((a, a + n))
-            pending.put(i, j, [None if v is not None and (until is None or v <= until) else v for v in values])
+                    gone.append((a, b))
+                    values[k] = None
+            pending.put(i, j, values)
         n = sum(b - a for a, b in gone)
         if n:
             self._spec_n[replica] -= n

@@ -116,8 +116,9 @@ class Cluster:
         # index keeps none of them (twin/keys.py), the router's answers are the same
         self.gateway.precise.unread_from = self.feed.unread(plan.sim.block_size)
         if self._runs:   # the pools are empty yet: from where their keys are kept one by one (hashed)
+            bound = self.feed.key_bound(plan.sim.block_size)
             for r in self.replicas:
-                cast(RunPool, r.pool).bound = self.feed.key_bound(plan.sim.block_size)
+                cast(RunPool, r.pool).bound = bound
         self._progress = progress
         self._scrape = 0              # the scrapes' grid: the k-th is at k × the interval
         self._sampled_ms = sum(st.duration for st in plan.stages) * 1000.0   # a stepped ramp's length
