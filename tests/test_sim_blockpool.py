@@ -267,6 +267,23 @@ def test_repeated_prompt_hits_cache_except_the_last_token():
     assert s.prefix_queries == 32 and s.prefix_hits == 12
 
 
+
+def test_without_token_ids_the_same_blocks_are_stored_and_the_events_carry_no_ids():
+    """The twin's engines skip the ids (its index reads keys only): the same steps and the same
+    stored keys, chained alike, with no ids."""
+    runs = []
+    for ids in (True, False):
+        s = Scheduler(BlockPool(64, 4), 8, 6, hash_seed=3, token_ids=ids)
+        for i, prompt in enumerate((list(range(10)), list(range(13)))):
+            s.add(_req(s, prompt, n_out=6, rid=f"r{i}"))
+        steps = _run(s)
+        runs.append((steps, [e for e in s.pool.take_events() if isinstance(e, BlockStored)]))
+    (steps, stored), (steps_bare, stored_bare) = runs
+    assert steps == steps_bare and len(stored) >= 3
+    assert [(e.block_hashes, e.parent_block_hash) for e in stored] == \
+        [(e.block_hashes, e.parent_block_hash) for e in stored_bare]
+    assert all(e.token_ids for e in stored) and not any(e.token_ids for e in stored_bare)
+
 def test_chunked_prefill_respects_the_token_budget_and_decodes_ride_along():
     s2 = _sched(budget=8)
     a = _req(s2, list(range(4)), n_out=5, rid="a")

@@ -64,6 +64,31 @@ def test_structural_keys_match_exactly_when_hashed_tokens_do(trace_path, scale):
     assert all(feed.block_keys(p, 2) == block_keys(p.tokens, 2) for p in prompts[:5])
 
 
+
+def test_a_trace_prompts_ids_read_in_pieces_are_its_ids(trace_path):
+    """A trace prompt's ids are made where read (feed.py `TraceTokens`): any slice, index or
+    iteration gives what the whole prompt, assembled window by window, holds."""
+    feed = Feed(Trace(seed=3, params={"path": str(trace_path), "token_scale": 0.7}))
+    trace = feed.workload
+    rng = random.Random(5)
+    for p in (s[0] for s in islice(feed.sessions(), 70)):   # into the second round
+        assert p.row is not None
+        size = trace.block_tokens
+        whole = list(feed._head)
+        for h in p.row.hash_ids:
+            at = hash((trace.seed, p.round_, h)) % (len(feed._pool) - size)
+            whole += feed._pool[at:at + size]
+        whole = whole[:len(feed._head) + feed_module.trace_prompt_tokens(trace, p.row)] + feed._tail
+        assert len(p.tokens) == len(whole) and list(p.tokens) == whole
+        for _ in range(20):
+            a, b = sorted(rng.randrange(-5, len(whole) + 5) for _ in range(2))
+            assert p.tokens[a:b] == whole[a:b] and p.tokens[b:a] == whole[b:a]
+            assert p.tokens[a:] == whole[a:] and p.tokens[::-7] == whole[::-7]
+            i = rng.randrange(-len(whole), len(whole))
+            assert p.tokens[i] == whole[i]
+        with pytest.raises(IndexError):
+            p.tokens[len(whole)]
+
 @pytest.mark.parametrize("sent", [45, 65, 150])   # part of a round, all of one, two and a half
 def test_a_key_from_unread_up_is_held_by_one_sent_prompt_alone(tmp_path, sent):
     """Told how many prompts will be sent, the keys put the blocks only one of them holds from

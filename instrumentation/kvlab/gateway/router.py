@@ -15,7 +15,7 @@ it for empty (lab 10 saw a hot group split over two replicas that way).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvlab.errors import NoEndpointAvailable
@@ -63,7 +63,7 @@ class Router:
     def uses_precise(self, r: Backend) -> bool:
         return self.precise_keys(r) and r.events_state == "live"
 
-    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset(),
+    def route(self, tokens: Sequence[int], exclude: frozenset[str] = frozenset(),
               keys: Mapping[int, list[int]] | None = None) -> Routed:
         """Route a prompt. `keys`: its block keys by block size where the caller has them already
         (the twin keys a trace's prompts by their structure, twin/keys.py); the others are hashed."""

@@ -4,6 +4,7 @@ gateway splits (docs/pd.md, "The decision")."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.gateway.config import PDSettings
@@ -44,7 +45,7 @@ def prefill_replicas(registry: Registry) -> list[Backend] | None:
     return [r for r in pool if r.healthy] if pool else None
 
 
-def plan_split(settings: PDSettings, router: Router, prefills: list[Backend], tokens: list[int],
+def plan_split(settings: PDSettings, router: Router, prefills: list[Backend], tokens: Sequence[int],
                routed: Routed) -> PDPlan:
     """The decision for a routed request and, on a split, the prefill replicas ranked by the same
     scheduler over the prefill pool (the gateway and `kvlab twin` both call this)."""

@@ -12,9 +12,9 @@ their block keys come from that structure instead of from hashing the ids (keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -32,7 +32,7 @@ _POOL = 1 << 20   # random word ids trace blocks are windows of
 class Prompt:
     """One request to send: its token ids and what the records say about it."""
 
-    tokens: list[int]
+    tokens: Sequence[int]
     max_tokens: int
     group: str
     session: int
@@ -112,7 +112,7 @@ class Feed:
         """Tokens the chat template adds around a trace row's prompt."""
         return len(self._head) + len(self._tail)
 
-    def _trace_tokens(self, trace: Trace, row: TraceRow, round_: int) -> list[int]:
+    def _trace_tokens(self, trace: Trace, row: TraceRow, round_: int) -> TraceTokens:
         size = trace.block_tokens
         if not self._pool:
             ids = np.asarray(sorted({self.tok.tok.encode(" " + w)[0] for w in _single_token_words()}))
@@ -122,17 +122,64 @@ class Feed:
             words = ids.tolist()
             self._pool = list(map(words.__getitem__, rng.integers(0, len(ids), _POOL + size).tolist()))
         tokens = trace_prompt_tokens(trace, row)
-        out = list(self._head)
-        for h in row.hash_ids:
-            if len(out) - len(self._head) >= tokens:
-                break
-            # a window of a seeded pool of random word ids, at an offset fixed by the block's id: the
-            # same id gives the same ids, two ids almost always differ (a cache of every block would
-            # hold gigabytes); the block keys follow the ids even where two windows coincide (keys.py)
-            at = hash((trace.seed, round_, h)) % (len(self._pool) - size)
-            out.extend(self._pool[at:at + size])
-        del out[len(self._head) + tokens:]
-        out.extend(self._tail)
+        # a window of a seeded pool of random word ids per trace block, at an offset fixed by the
+        # block's id: the same id gives the same ids, two ids almost always differ (a cache of every
+        # block would hold gigabytes); the block keys follow the ids even where two windows
+        # coincide (keys.py)
+        span = len(self._pool) - size
+        at = [hash((trace.seed, round_, h)) % span for h in row.hash_ids[:-(-tokens // size)]]
+        return TraceTokens(self._pool, self._head, self._tail, at, size, tokens)
+
+
+class TraceTokens(Sequence[int]):
+    """A trace prompt's token ids: the template's head, `trace` ids from windows of `size` ids of
+    `pool` (at the offsets `at`), the template's tail. Made only where read: a twin run reads
+    mostly their count (a prompt's keys follow its structure, keys.py, and its engine's KV events
+    carry no ids), and 10,000 prompts of ~12,000 ids each took a seventh of a run to make
+    (docs/benchmarks.md)."""
+
+    __slots__ = ("_at", "_head", "_n", "_pool", "_size", "_tail", "_trace")
+
+    def __init__(self, pool: list[int], head: list[int], tail: list[int], at: list[int], size: int,
+                 trace: int) -> None:
+        self._pool, self._head, self._tail, self._at, self._size, self._trace = pool, head, tail, at, size, trace
+        self._n = len(head) + trace + len(tail)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return self.ids(0, self._n)[i]
+            return self.ids(start, stop) if start < stop else []
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError("prompt index out of range")
+        return self.ids(j, j + 1)[0]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids(0, self._n))
+
+    def ids(self, start: int, stop: int) -> list[int]:
+        """The ids from `start` to `stop` (excluded), 0 <= start <= stop <= len."""
+        head, size, pool, at = len(self._head), self._size, self._pool, self._at
+        out = self._head[start:stop] if start < head else []
+        a, b = max(start, head) - head, min(stop, head + self._trace) - head   # in the trace's ids
+        while a < b:
+            k, off = divmod(a, size)
+            end = min(b - k * size, size)
+            out += pool[at[k] + off:at[k] + end]
+            a = k * size + end
+        tail = head + self._trace
+        if stop > tail:
+            out += self._tail[max(start - tail, 0):stop - tail]
         return out
 
 

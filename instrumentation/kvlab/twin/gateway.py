@@ -163,7 +163,7 @@ class Gateway:
         if f.replica.group is not None:
             f.replica.group.group.stats.pop(f.req.id, None)
         assert f.out is not None
-        tokens = f.prompt.tokens + f.out[:done]
+        tokens = [*f.prompt.tokens, *f.out[:done]]
         self._ids += 1
         rid = f"t{self._ids}"
         replica = f.replica

@@ -37,8 +37,8 @@ class Replica:
                       pinned_share=sim.typed_retention)
         # the gateway's own hash family (seed 0), unlike `kvlab engine sim`'s per-rank seeds: a
         # prompt is hashed once, by the router, and the KV events carry the gateway's keys (no
-        # figure depends on a key's value)
-        self.sched = Scheduler(self.pool, sim.max_num_seqs, sim.max_num_batched_tokens, hash_seed=0)
+        # figure depends on a key's value); its index reads keys only: no token ids in the KV events
+        self.sched = Scheduler(self.pool, sim.max_num_seqs, sim.max_num_batched_tokens, hash_seed=0, token_ids=False)
         self.backend = Backend(Endpoint(name=self.name, url=f"twin://{self.name}",
                                         kv_events=f"twin://{self.name}/events" if events else None,
                                         role=member.role, dp_rank=member.dp_rank, replica=member.replica))

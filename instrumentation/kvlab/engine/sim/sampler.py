@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Sequence
 
 from kvlab.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ class Sampler:
         self.text = {i: texts[i] for i in self.candidates}
         self.json = {i: json.dumps(t)[1:-1].encode() for i, t in self.text.items()}
 
-    def draw(self, prompt: list[int], n: int, seed: int | None = None) -> list[int]:
+    def draw(self, prompt: Sequence[int], n: int, seed: int | None = None) -> list[int]:
         """`n` output ids for this prompt."""
         rng = random.Random(seed if seed is not None else hash((self.seed, *prompt)))
         return rng.choices(self.candidates, k=n)

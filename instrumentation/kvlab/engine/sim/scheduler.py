@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
 from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
@@ -57,7 +57,7 @@ class Request:
         "waiter",
     )
 
-    def __init__(self, request_id: str, prompt: list[int], output: list[int], keys: list[int],
+    def __init__(self, request_id: str, prompt: Sequence[int], output: list[int], keys: list[int],
                  stop: Sequence[str] = (), min_tokens: int = 0,
                  retention: list[RetentionDirective] | None = None) -> None:
         self.id = request_id
@@ -87,12 +87,13 @@ class Request:
         return self.prompt[i] if i < self.num_prompt else self.output[i - self.num_prompt]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        # a prompt's slice is a list: a list's, or a twin trace prompt's (twin/feed.py `TraceTokens`)
         n = self.num_prompt
         if end <= n:
-            return self.prompt[start:end]
+            return cast(list[int], self.prompt[start:end])
         if start >= n:   # an output block: no copy of the whole prompt
             return self.output[start - n:end - n]
-        return self.prompt[start:] + self.output[:end - n]
+        return cast(list[int], self.prompt[start:]) + self.output[:end - n]
 
 
 @dataclass(slots=True)
@@ -115,8 +116,11 @@ def _positions_k(start: int, n: int) -> float:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 hash_seed: int = 1) -> None:
+                 hash_seed: int = 1, token_ids: bool = True) -> None:
         self.pool = pool
+        # the KV events carry the blocks' token ids (vLLM's do); the twin's index reads only the
+        # engines' keys (PreciseIndex `engine_keys`), so its engines skip copying them
+        self.token_ids = token_ids
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -220,7 +224,7 @@ class Scheduler:
         assert pool.tier is not None
         pool.tier.load(keys[start:start + n])
         pool.cache(req.blocks[start:start + n], keys[start:start + n], keys[start - 1] if start else None,
-                   req.prompt[start * bs:(start + n) * bs])
+                   req.tokens(start * bs, (start + n) * bs) if self.token_ids else [])
         batch.loaded_blocks += n
 
     def _count_typed_hits(self, req: Request, n_hits: int, cap: int) -> None:
@@ -302,7 +306,7 @@ class Scheduler:
         if start < end:
             classes = self._classes(req, start, end) if self.pool.typed is not None else None
             self.pool.cache(req.blocks[start:end], keys[start:end], keys[start - 1] if start else None,
-                            req.tokens(start * bs, end * bs), classes)
+                            req.tokens(start * bs, end * bs) if self.token_ids else [], classes)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a running request now (length, stop): frees its blocks."""

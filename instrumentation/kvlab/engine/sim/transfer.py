@@ -161,7 +161,7 @@ class Pull:
         bs, start = self.block_size, len(self.local)
         end = start + len(self.new)
         self.pool.cache(self.new, req.keys[start:end], req.keys[start - 1] if start else None,
-                        req.prompt[start * bs:end * bs])
+                        req.tokens(start * bs, end * bs))
 
     def release(self) -> None:
         """Drop the pull's references: its blocks stay cached for the request to hit."""
