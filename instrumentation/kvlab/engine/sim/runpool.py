@@ -62,6 +62,9 @@ class Slot:
         self.key = key
 
 
+_ANONYMOUS = Slot(None)
+
+
 class Held:
     """A request's `n` blocks; `runs`: its keyed ones as (position, first key, end key), in order."""
 
@@ -92,12 +95,15 @@ class Held:
         if isinstance(i, slice):
             start, stop, _ = i.indices(self.n)
             return Span(self, start, stop)
-        j = bisect_right(self.runs, i, key=_pos) - 1
+        runs = self.runs
+        if not runs or i >= runs[-1][0] + runs[-1][2] - runs[-1][1]:   # past the keyed ones: a fresh block
+            return _ANONYMOUS
+        j = bisect_right(runs, i, key=_pos) - 1
         if j >= 0:
-            p, a, b = self.runs[j]
+            p, a, b = runs[j]
             if i < p + b - a:
                 return Slot(a + i - p)
-        return Slot(None)
+        return _ANONYMOUS
 
     def keyed(self) -> int:
         return sum(b - a for _, a, b in self.runs)
@@ -215,7 +221,7 @@ class RunPool:
     def allocate(self, n: int) -> Held | None:
         """`n` fresh blocks, the anonymous free ones first, then the LRU's, evicting what they
         cached; None (and no change) when fewer than `n` are free."""
-        if n > self.num_free:
+        if n > self._anon + self._free_cached:
             return None
         take = min(n, self._anon)
         self._anon -= take
