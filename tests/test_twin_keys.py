@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from itertools import islice
 
 import pytest
@@ -171,6 +172,39 @@ def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_p
     monkeypatch.setattr(Feed, "unread", lambda self, bs: None)
     assert records() == structural
 
+
+
+def test_kv_events_the_index_would_skip_whole_are_not_delivered(trace_path, monkeypatch):
+    """An answer's blocks, stored or evicted, are keyed from `unread` up: their events are not
+    delivered (cluster.py `_read`), and the index ends as it ends when every event is."""
+    import msgspec
+
+    from kvlab.twin import cluster as cluster_module
+    from kvlab.twin.cluster import Cluster
+    from kvlab.twin.settings import TwinSettings, resolve
+
+    def run() -> tuple[bytes, list[int], list[int], Counter[str]]:
+        plan = resolve(TwinSettings(trace=str(trace_path), requests=60, time_scale=0.2, num_blocks=400,
+                                    max_model_len=4096))   # few blocks: the index's blocks are evicted too
+        cluster = Cluster(plan)
+        index = cluster.gateway.precise
+        delivered: Counter[str] = Counter()
+        apply = index.apply
+
+        def counted(replica, events, *args):
+            events = list(events)
+            delivered.update(type(e).__name__ for e in events)
+            return apply(replica, events, *args)
+        monkeypatch.setattr(index, "apply", counted)
+        records = msgspec.json.encode(cluster.run().records)
+        return records, index.table.starts, index.table.values, delivered
+
+    *skipped, fewer = run()
+    monkeypatch.setattr(cluster_module, "_read", lambda event, unread: True)
+    *every, all_events = run()
+    assert skipped == every
+    assert all_events["BlockRemoved"] > 0   # evictions happened
+    assert fewer["BlockStored"] < all_events["BlockStored"] and fewer["BlockRemoved"] < all_events["BlockRemoved"]
 
 def test_a_trace_run_keeps_its_index_and_pools_by_key_runs_where_it_can(trace_path):
     from kvlab.engine.sim.blockpool import BlockPool

@@ -26,12 +26,13 @@ from kvlab.gateway.scheduler.base import Decision, Ranker, RouteRequest
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.kvcache.intervals import IntervalIndex
+from kvlab.kvcache.runkeys import Keys
 
 
 @dataclass(slots=True)
 class Routed:
     decision: Decision
-    keys_by_size: dict[int, list[int]]
+    keys_by_size: dict[int, Keys]
     index_of: dict[str, str]          # replica -> "precise" | "approximate"
     keys_s: float                     # hashing time
     total_s: float                    # hashing + lookup + scoring
@@ -64,7 +65,7 @@ class Router:
         return self.precise_keys(r) and r.events_state == "live"
 
     def route(self, tokens: Sequence[int], exclude: frozenset[str] = frozenset(),
-              keys: Mapping[int, list[int]] | None = None) -> Routed:
+              keys: Mapping[int, Keys] | None = None) -> Routed:
         """Route a prompt. `keys`: its block keys by block size where the caller has them already
         (the twin keys a trace's prompts by their structure, twin/keys.py); the others are hashed."""
         t0 = time.perf_counter()
@@ -84,7 +85,7 @@ class Router:
         return Routed(decision, keys_by_size, index_of, t1 - t0, time.perf_counter() - t0, cpu, pull,
                       (lookup, looked_up))
 
-    def cpu_only(self, replicas: list[Backend], keys_by_size: dict[int, list[int]], prefix: dict[str, int],
+    def cpu_only(self, replicas: list[Backend], keys_by_size: dict[int, Keys], prefix: dict[str, int],
                  sizes: dict[str, int], index_of: dict[str, str]) -> dict[str, int]:
         """Of each precise replica's prefix, the tokens held only in its CPU tier (empty unless the
         policy weighs that tier and some replica reported one)."""
@@ -109,7 +110,7 @@ class Router:
             d.chosen = holder
         return p
 
-    def prefix_of(self, replicas: list[Backend], keys_by_size: dict[int, list[int]], n_tokens: int,
+    def prefix_of(self, replicas: list[Backend], keys_by_size: dict[int, Keys], n_tokens: int,
                   sizes: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
         """Reusable cached prefix tokens per replica, each looked up in the index it can be trusted
         in; how many of them are only speculative (precise index, not yet confirmed); and which
@@ -138,7 +139,7 @@ class Router:
                 speculative[name] = max(capped - confirmed.get(name, capped), 0)
         return prefix, speculative, {n: ("precise" if n in precise_sizes else "approximate") for n in sizes}
 
-    def learn(self, r: Backend, keys_by_size: dict[int, list[int]], sizes: dict[str, int] | None = None) -> None:
+    def learn(self, r: Backend, keys_by_size: dict[int, Keys], sizes: dict[str, int] | None = None) -> None:
         """`r` was sent a prompt with these keys: the approximate index learns them and, when the
         policy's index is precise (whether or not `r`'s feed is live yet) and `r`'s tokenizer is the
         gateway's, they are speculative there until its engine confirms them."""

@@ -24,15 +24,18 @@ from operator import and_, or_
 from typing import Generic, TypeVar, cast
 
 from kvlab.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvlab.kvcache.runkeys import RunKeys
 
 Runs = list[tuple[int, int]]   # (first key, one past the last), in the keys' order
 V = TypeVar("V")
 
 
 def runs(keys: Sequence[int]) -> Runs:
-    """The runs of consecutive integers in ascending `keys`: where a run goes on, a key less its
-    place stays the same, and from one run to the next it grows, so each run's end is a binary
-    search away."""
+    """The runs of consecutive integers in ascending `keys` (a `RunKeys`' own): where a run goes
+    on, a key less its place stays the same, and from one run to the next it grows, so each run's
+    end is a binary search away."""
+    if isinstance(keys, RunKeys):
+        return keys.runs
     n = len(keys)
     if not n:
         return []
@@ -268,7 +271,8 @@ class IntervalIndex:
                     if not read:
                         continue
                     keys = keys[:read]
-                spans = runs(sorted(keys))
+                # a trace prompt's keys (engine/sim/runpool.py stores them as they came): runs already
+                spans = runs(keys if isinstance(keys, RunKeys) else sorted(keys))
                 self.confirmed += self._unspeculate(replica, spans)
                 had, new = self._change(spans, or_, b, b)
                 self._held[replica] += new

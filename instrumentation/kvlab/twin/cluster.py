@@ -21,7 +21,6 @@ run that stops advancing ends with an error).
 from __future__ import annotations
 
 import gc
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heappop
@@ -31,7 +30,7 @@ from kvlab.engine.sim.length import too_long
 from kvlab.engine.sim.runpool import RunPool
 from kvlab.engine.sim.scheduler import FINISHED
 from kvlab.engine.sim.transfer import Pull, reserve
-from kvlab.kvcache.events import BlockStored, Event
+from kvlab.kvcache.events import BlockRemoved, BlockStored, Event
 from kvlab.lifecycle import GC_GEN0_DEFAULT
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
@@ -44,6 +43,16 @@ from kvlab.twin.gateway import Gateway
 from kvlab.twin.replica import Lockstep, Replica, join_ranks
 from kvlab.twin.settings import Plan
 from kvlab.twin.watchdog import STALL_EVENTS, STALL_STEPS, Watchdog, stalled
+
+
+def _read(event: Event, unread: int) -> bool:
+    """Whether the event holds a block the index reads (a key below `unread`); a stored event's
+    unread keys come after its others (twin/keys.py)."""
+    if isinstance(event, BlockStored):
+        return cast(list[int], event.block_hashes)[0] < unread
+    if isinstance(event, BlockRemoved):
+        return any(map(unread.__gt__, cast(list[int], event.block_hashes)))
+    return True
 
 
 @dataclass(slots=True)
@@ -377,11 +386,9 @@ class Cluster:
         events = replica.pool.take_events()
         unread = self.gateway.precise.unread_from
         if unread is not None and events:
-            # a stored event the index would skip whole (mostly a decode step's answer blocks) is
-            # not delivered: the same answers, an event fewer in the loop (kvcache/index.py)
-            read = unread.__le__
-            events = [e for e in events if not isinstance(e, BlockStored)
-                      or bisect_left(cast(list[int], e.block_hashes), True, key=read)]
+            # an event the index would skip whole (mostly a decode step's answer blocks, stored or
+            # evicted) is not delivered: the same answers, an event fewer in the loop (kvcache/index.py)
+            events = [e for e in events if _read(e, unread)]
         if not events:
             return
         info = self.info

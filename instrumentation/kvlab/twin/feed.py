@@ -20,6 +20,7 @@ import numpy as np
 
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.runkeys import Keys
 from kvlab.load.workloads import Workload
 from kvlab.load.workloads.trace import Trace, TraceRow, _single_token_words
 from kvlab.twin.keys import HASHED, MIN_BLOCK, TraceKeys
@@ -73,7 +74,7 @@ class Feed:
             yield [Prompt(self.tok.encode_chat(r.messages)[0], r.max_tokens, r.group, n, i, r.pause_s)
                    for i, r in enumerate(session)]
 
-    def block_keys(self, prompt: Prompt, block_size: int) -> list[int]:
+    def block_keys(self, prompt: Prompt, block_size: int) -> Keys:
         """The keys of the prompt's full blocks: a trace prompt's from its structure (keys.py), any
         other's hashed as the gateway hashes them."""
         if prompt.row is None or self._keys is None:

@@ -27,6 +27,7 @@ from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.hashing import continue_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.kvcache.intervals import IntervalIndex
+from kvlab.kvcache.runkeys import Keys
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
 from kvlab.twin.clock import SUBMIT, Clock
@@ -57,6 +58,7 @@ class Gateway:
         # the twin's engines hash as the gateway does: their KV events carry its keys; kept by key
         # intervals where the keys ascend in runs (`runs`: Cluster says where)
         self.precise: PreciseIndex | IntervalIndex
+        self._runs = runs
         if runs:
             self.precise = IntervalIndex(len(replicas), ttl, clock=clock.seconds)
         else:
@@ -84,7 +86,10 @@ class Gateway:
         now = self.clock.now_ms
         tokens = prompt.tokens
         bs = self.plan.sim.block_size   # every replica's
-        routed = self.router.route(tokens, keys={bs: self.feed.block_keys(prompt, bs)})
+        keys = self.feed.block_keys(prompt, bs)
+        if not self._runs:   # the pools and the index read them key by key
+            keys = list(keys)
+        routed = self.router.route(tokens, keys={bs: keys})
         d = routed.decision
         if self.sent is not None:
             # 8 bytes a key, not a list of int objects: 10,000 trace prompts hold ~9 million keys
@@ -116,7 +121,7 @@ class Gateway:
         return flight
 
     def _call(self, prompt: Prompt, sent_ms: float, replica: Replica, work: int, record: Record, user: int | None,
-              at_ms: float, max_tokens: int, chunk: int = 0, *, keys: list[int]) -> Flight:
+              at_ms: float, max_tokens: int, chunk: int = 0, *, keys: Keys) -> Flight:
         """A call to `replica` reaching it at `at_ms`, with the gateway's lease on it; with `chunk`,
         the call generates the first chunk of the answer. `keys`: the prompt's block keys the router
         used, which are the engine's too (a twin engine keys blocks as the gateway does)."""
@@ -131,7 +136,7 @@ class Gateway:
         tokens = prompt.tokens
         out = self.sampler.draw(tokens, max_tokens) if self.sampler is not None else [_OUTPUT_TOKEN] * max_tokens
         flight = Flight(prompt, sent_ms, replica,
-                        Request(rid, tokens, out[:chunk] if chunk else out, list(keys)),
+                        Request(rid, tokens, out[:chunk] if chunk else out, keys[:]),
                         prefill, work, record, user, chunk=chunk, total=max_tokens, out=out)
         self.flights[rid] = flight
         return flight
@@ -168,7 +173,7 @@ class Gateway:
         rid = f"t{self._ids}"
         replica = f.replica
         # the keys of the call before cover a prefix of these tokens; the rest chain on from them
-        keys = continue_keys(f.req.keys[:len(tokens) // replica.pool.block_size], tokens, replica.pool.block_size)
+        keys = continue_keys(list(f.req.keys[:len(tokens) // replica.pool.block_size]), tokens, replica.pool.block_size)
         req = Request(rid, tokens, f.out[done:done + min(f.chunk, f.total - done)], keys)
         nxt = Flight(f.prompt, f.sent_ms, replica, req, f.prefill, f.work, f.record, f.user, f.last_ms, f.gap_sum,
                      f.gap_n, f.gap_max, chunk=f.chunk, done=done, total=f.total, out=f.out)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.runkeys import RunKeys
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
 HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
@@ -106,13 +107,14 @@ class TraceKeys:
         """How many keys one round's trace blocks and tails can take."""
         return self._chains * ((self.trace_block - 1) // block_size + 1) + self._tails * (self.tail // block_size + 1)
 
-    def keys(self, row: int, round_: int, tokens: Sequence[int], block_size: int) -> list[int]:
-        """The keys of every full block of `tokens`: the prompt of row `row` sent in round `round_`."""
+    def keys(self, row: int, round_: int, tokens: Sequence[int], block_size: int) -> RunKeys | list[int]:
+        """The keys of every full block of `tokens`: the prompt of row `row` sent in round `round_`
+        (as runs: kvcache/runkeys.py)."""
         head, size, bs = self.head, self.trace_block, block_size
         if bs < MIN_BLOCK:
             return block_keys(tokens, bs)
         in_head = head // bs
-        keys = list(range(1, in_head + 1))
+        keys = RunKeys([(1, in_head + 1)])
         places = (size - 1) // bs + 1          # block ends one trace block can hold, at most
         span = self._round(bs)
         first = in_head + 1 + round_ * span
@@ -127,9 +129,9 @@ class TraceKeys:
             hi = (head + min(start + size, trace_tokens)) // bs
             if hi >= lo:
                 base = (unread if chains is not None and chains[node] else first) + node * places - (head + start) // bs
-                keys.extend(range(base + lo - 1, base + hi))
+                keys.add(base + lo - 1, base + hi)
         end = self._ends[row]
         at = (unread if tails is not None and tails[end] else first) + self._chains * places
         at += end * (self.tail // bs + 1)
-        keys.extend(range(at, at + len(tokens) // bs - len(keys)))   # the blocks ending in the tail
+        keys.add(at, at + len(tokens) // bs - len(keys))   # the blocks ending in the tail
         return keys

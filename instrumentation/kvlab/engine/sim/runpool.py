@@ -28,6 +28,7 @@ from typing import cast
 
 from kvlab.kvcache.events import BlockRemoved, BlockStored, Event, ExternalBlockHash
 from kvlab.kvcache.intervals import Intervals, Runs, runs
+from kvlab.kvcache.runkeys import RunKeys
 
 _pos = itemgetter(0)
 
@@ -35,8 +36,11 @@ _pos = itemgetter(0)
 def key_runs(keys: Sequence[int], bound: int) -> Runs:
     """Runs of consecutive keys, in the keys' order, none across `bound`: by binary searches where
     they ascend (a trace prompt's), one pass otherwise (a prompt continued over hashed blocks)."""
-    if len(keys) < 8:   # an answer's blocks, a few a step: a loop is cheaper than the passes below
-        out: Runs = []
+    out: Runs
+    if isinstance(keys, RunKeys):   # a trace prompt's: runs already
+        out = keys.runs
+    elif len(keys) < 8:   # an answer's blocks, a few a step: a loop is cheaper than the passes below
+        out = []
         for k in keys:
             if out and out[-1][1] == k:
                 out[-1] = (out[-1][0], k + 1)
@@ -316,7 +320,7 @@ class RunPool:
             return
         if n == len(keys):
             self._events.append(BlockStored(
-                block_hashes=cast(list[ExternalBlockHash], list(keys)), parent_block_hash=parent,
+                block_hashes=cast(list[ExternalBlockHash], keys[:]), parent_block_hash=parent,
                 token_ids=token_ids, block_size=self.block_size, medium="GPU"))
             return
         # partial: each stored block its own event, chained to the key before it (BlockPool's)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 from kvlab.engine.sim.blockpool import Block, BlockPool
 from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.runkeys import Keys
 
 if TYPE_CHECKING:
     import asyncio
@@ -57,7 +58,7 @@ class Request:
         "waiter",
     )
 
-    def __init__(self, request_id: str, prompt: Sequence[int], output: list[int], keys: list[int],
+    def __init__(self, request_id: str, prompt: Sequence[int], output: list[int], keys: Keys,
                  stop: Sequence[str] = (), min_tokens: int = 0,
                  retention: list[RetentionDirective] | None = None) -> None:
         self.id = request_id
@@ -297,6 +298,8 @@ class Scheduler:
         bs = self.block_size
         keys = req.keys
         if len(keys) < end:  # output blocks: extend the chain over generated tokens
+            if not isinstance(keys, list):   # a twin trace prompt's, as runs: a list once an answer
+                req.keys = keys = list(keys)   # extends them (kvcache/runkeys.py)
             parent = keys[-1] if keys else 0
             first = len(keys)
             keys.extend(block_keys(req.tokens(first * bs, end * bs), bs, parent=parent, seed=self.hash_seed))
