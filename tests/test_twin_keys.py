@@ -175,10 +175,12 @@ def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_p
 
 
 def test_kv_events_the_index_would_skip_whole_are_not_delivered(trace_path, monkeypatch):
-    """An answer's blocks, stored or evicted, are keyed from `unread` up: their events are not
-    delivered (cluster.py `_read`), and the index ends as it ends when every event is."""
+    """An answer's blocks, stored or evicted, are keyed from `unread` up: the pools leave them out
+    of their KV events (runpool.py `RunPool.quiet`), an event left with none is not delivered, and
+    the index ends as it ends when every event is."""
     import msgspec
 
+    from kvlab.engine.sim.runpool import RunPool
     from kvlab.twin import cluster as cluster_module
     from kvlab.twin.cluster import Cluster
     from kvlab.twin.settings import TwinSettings, resolve
@@ -200,6 +202,8 @@ def test_kv_events_the_index_would_skip_whole_are_not_delivered(trace_path, monk
         return records, index.table.starts, index.table.values, delivered
 
     *skipped, fewer = run()
+    monkeypatch.setattr(RunPool, "quiet", property(lambda self: 1 << 64, lambda self, line: None),
+                        raising=False)   # every key reported
     monkeypatch.setattr(cluster_module, "_read", lambda event, unread: True)
     *every, all_events = run()
     assert skipped == every

@@ -123,11 +123,14 @@ class Cluster:
         self.clients = Clients(plan, self.feed, clock)
         # blocks a single prompt holds are looked up only by it, before it is sent anywhere: the
         # index keeps none of them (twin/keys.py), the router's answers are the same
-        self.gateway.precise.unread_from = self.feed.unread(plan.sim.block_size)
+        unread = self.gateway.precise.unread_from = self.feed.unread(plan.sim.block_size)
         if self._runs:   # the pools are empty yet: from where their keys are kept one by one (hashed)
             bound = self.feed.key_bound(plan.sim.block_size)
             for r in self.replicas:
-                cast(RunPool, r.pool).bound = bound
+                pool = cast(RunPool, r.pool)
+                pool.bound = bound
+                if unread is not None:   # and from where their KV events leave the keys out
+                    pool.quiet = unread
         self._progress = progress
         self._scrape = 0              # the scrapes' grid: the k-th is at k × the interval
         self._sampled_ms = sum(st.duration for st in plan.stages) * 1000.0   # a stepped ramp's length
@@ -385,9 +388,10 @@ class Cluster:
     def _publish(self, replica: Replica) -> None:
         events = replica.pool.take_events()
         unread = self.gateway.precise.unread_from
-        if unread is not None and events:
+        if unread is not None and events and not self._runs:
             # an event the index would skip whole (mostly a decode step's answer blocks, stored or
-            # evicted) is not delivered: the same answers, an event fewer in the loop (kvcache/index.py)
+            # evicted) is not delivered: the same answers, an event fewer in the loop (kvcache/index.py);
+            # a run pool leaves those keys out itself (`RunPool.quiet`)
             events = [e for e in events if _read(e, unread)]
         if not events:
             return

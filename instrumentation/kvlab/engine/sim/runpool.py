@@ -158,6 +158,9 @@ class RunPool:
         self._cached = 0
         self._events_on = events
         self._events: list[Event] = []
+        # the KV events leave out the keys from here up, which no one reads (the twin's index keeps
+        # no block from its `unread_from` up: kvcache/index.py); above every key: all reported
+        self.quiet = 1 << 64
 
     # ---- state -----------------------------------------------------------------------
     @property
@@ -231,14 +234,17 @@ class RunPool:
         self._anon -= take
         if n > take:
             removed = self._evict(n - take)
-            if self._events_on:
+            if self._events_on and removed:
                 self._events.append(BlockRemoved(block_hashes=cast(list[ExternalBlockHash], removed), medium="GPU"))
         return Held(n)
 
     def _evict(self, n: int) -> list[int]:
         """Read the LRU from its oldest entry until `n` live ones were read (a stale one is
-        skipped, its count read down); their keys leave the cache, in the order read."""
-        lru, stale, bound = self._lru, self._stale, self.bound
+        skipped, its count read down); their keys leave the cache, in the order read (those below
+        `quiet` returned)."""
+        self._free_cached -= n
+        self._cached -= n
+        lru, stale, bound, quiet = self._lru, self._stale, self.bound, self.quiet
         starts, counts = stale.starts, stale.values
         hashed, hashed_stale = self._hashed, self._hashed_stale
         removed: list[int] = []
@@ -255,7 +261,8 @@ class RunPool:
                             hashed_stale[top] = v - 1
                     else:
                         del hashed[top]
-                        removed.append(top)
+                        if top < quiet:
+                            removed.append(top)
                         n -= 1
             else:
                 while top > first and n:
@@ -266,7 +273,7 @@ class RunPool:
                         stale.put(k, m, [v - 1 for v in counts[k:m]])
                     else:
                         low = max(low, top - n)
-                        removed.extend(range(top - 1, low - 1, -1))
+                        removed.extend(range(min(top, quiet) - 1, low - 1, -1))
                         gone.append((low, top))
                         n -= top - low
                     top = low
@@ -278,8 +285,6 @@ class RunPool:
         for a, b in gone:
             k, m = ref.span(a, b)
             ref.put(k, m, [None] * (m - k))
-        self._free_cached -= len(removed)
-        self._cached -= len(removed)
         return removed
 
     def cache(self, blocks: Held | Span, keys: Sequence[int], parent: int | None,
@@ -316,7 +321,7 @@ class RunPool:
                 mine[-1] = (q, f, b)
             else:
                 mine.append((p, a, b))
-        if not self._events_on:
+        if not self._events_on or keys[0] >= self.quiet:   # (a prompt's quiet keys come after its others)
             return
         if n == len(keys):
             self._events.append(BlockStored(
@@ -327,7 +332,7 @@ class RunPool:
         new = {k for _, a, b in stored for k in range(a, b)}
         bs = self.block_size
         for i, key in enumerate(keys):
-            if key in new:
+            if key in new and key < self.quiet:
                 self._events.append(BlockStored(
                     block_hashes=[key], parent_block_hash=parent, token_ids=token_ids[i * bs:(i + 1) * bs],
                     block_size=bs, medium="GPU"))
