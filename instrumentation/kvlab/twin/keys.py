@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvlab.kvcache.hashing import block_keys
-from kvlab.kvcache.runkeys import RunKeys
+from kvlab.kvcache.runkeys import Keys, RunKeys
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
 HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
@@ -107,7 +107,7 @@ class TraceKeys:
         """How many keys one round's trace blocks and tails can take."""
         return self._chains * ((self.trace_block - 1) // block_size + 1) + self._tails * (self.tail // block_size + 1)
 
-    def keys(self, row: int, round_: int, tokens: Sequence[int], block_size: int) -> RunKeys | list[int]:
+    def keys(self, row: int, round_: int, tokens: Sequence[int], block_size: int) -> Keys:
         """The keys of every full block of `tokens`: the prompt of row `row` sent in round `round_`
         (as runs: kvcache/runkeys.py)."""
         head, size, bs = self.head, self.trace_block, block_size
