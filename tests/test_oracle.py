@@ -107,3 +107,18 @@ def test_ceiling_is_belady_at_every_capacity():
         reqs = [Prompt(len(keys[i:i + 3]) * BS, keys[i:i + 3]) for i in range(0, len(keys), 3)]
         for cap in range(len(set(keys)) + 2):
             assert ceiling(reqs, BS, cap).hit_tokens == belady_by_hand(keys, cap) * BS, (trial, cap)
+
+
+def test_prompts_keyed_as_runs_give_the_ceiling_of_their_keys_listed():
+    """A twin trace prompt's keys come as runs (`RunKeys`), read all at once: the same ceiling as
+    the keys listed, at every capacity, keys near 2**64 included (unsigned arithmetic wraps)."""
+    from kvlab.kvcache.runkeys import RunKeys
+
+    rng = random.Random(9)
+    runs = [[(a, a + rng.randrange(1, 6)) for a in sorted(rng.sample(range(40), rng.randrange(1, 4)))]
+            for _ in range(30)]
+    runs.append([((1 << 64) - 3, (1 << 64) - 1)])
+    as_runs = [Prompt(40, RunKeys(r)) for r in runs]
+    listed = [Prompt(40, [k for a, b in r for k in range(a, b)]) for r in runs]
+    for cap in (None, 0, 3, 10, 100):
+        assert ceiling(as_runs, BS, cap) == ceiling(listed, BS, cap), cap

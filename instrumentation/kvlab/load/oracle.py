@@ -26,12 +26,13 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvlab.gateway.tokens import PromptTokenizer
 from kvlab.kvcache.hashing import block_keys
+from kvlab.kvcache.runkeys import RunKeys
 from kvlab.load.measure import Record
 from kvlab.load.workloads import Workload, WorkloadRequest
 
@@ -70,12 +71,27 @@ def prompts(requests: Iterable[WorkloadRequest], block_size: int,
 def ceiling(reqs: Sequence[Prompt], block_size: int, capacity_blocks: int | None) -> Oracle:
     """Belady's block hits on one pooled cache of `capacity_blocks` (None: unbounded)."""
     prompt_tokens = sum(p.tokens for p in reqs)
-    # a prompt's keys are read through the buffer protocol where they are an array('Q') (the twin's)
-    seq = np.concatenate([np.asarray(p.keys, dtype=np.uint64) for p in reqs]) if reqs else np.zeros(0, np.uint64)
+    seq = _sequence(reqs)
     n = len(seq)
     if capacity_blocks is None:   # every block seen before is a hit
         return Oracle(prompt_tokens, (n - len(np.unique(seq))) * block_size, block_size, None)
     return Oracle(prompt_tokens, _belady(_next_uses(seq), capacity_blocks) * block_size, block_size, capacity_blocks)
+
+
+def _sequence(reqs: Sequence[Prompt]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """Every prompt's keys in order, as one array. A twin trace prompt's are runs (`RunKeys`):
+    the keys of all of them at once, each run's first key less its place spread over its keys and
+    added to the places (modulo 2**64, as unsigned integers wrap); else each prompt's keys, read
+    through the buffer protocol where they are an array('Q')."""
+    if not reqs:
+        return np.zeros(0, np.uint64)
+    if all(isinstance(p.keys, RunKeys) for p in reqs):
+        runs = np.array([run for p in reqs for run in cast(RunKeys, p.keys).runs], dtype=np.uint64).reshape(-1, 2)
+        lengths = runs[:, 1] - runs[:, 0]
+        places = np.cumsum(lengths) - lengths
+        total = int(lengths.sum())
+        return np.arange(total, dtype=np.uint64) + np.repeat(runs[:, 0] - places, lengths.astype(np.int64))
+    return np.concatenate([np.asarray(p.keys, dtype=np.uint64) for p in reqs])
 
 
 def _next_uses(seq: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.int64]]:

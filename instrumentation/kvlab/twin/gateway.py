@@ -27,7 +27,7 @@ from kvlab.gateway.split import SPLIT, plan_split, prefill_replicas
 from kvlab.kvcache.hashing import continue_keys
 from kvlab.kvcache.index import ApproximateIndex, PreciseIndex
 from kvlab.kvcache.intervals import IntervalIndex
-from kvlab.kvcache.runkeys import Keys
+from kvlab.kvcache.runkeys import Keys, RunKeys
 from kvlab.load.measure import Record
 from kvlab.load.oracle import Prompt as Blocks
 from kvlab.twin.clock import SUBMIT, Clock
@@ -92,8 +92,11 @@ class Gateway:
         routed = self.router.route(tokens, keys={bs: keys})
         d = routed.decision
         if self.sent is not None:
-            # 8 bytes a key, not a list of int objects: 10,000 trace prompts hold ~9 million keys
-            self.sent.append(Blocks(len(tokens), array("Q", routed.keys_by_size[bs])))
+            # not a list of int objects: 10,000 trace prompts hold ~9 million keys; a trace
+            # prompt's as its runs (no one changes them: an engine's request takes a copy), else 8
+            # bytes a key
+            sent = routed.keys_by_size[bs]
+            self.sent.append(Blocks(len(tokens), sent if isinstance(sent, RunKeys) else array("Q", sent)))
         replica = self.by_name[d.chosen.name]
         pd = plan_split(self.plan.policy.pd, self.router, self.prefills, tokens, routed) \
             if self.prefills is not None else None
