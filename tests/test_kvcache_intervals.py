@@ -124,6 +124,25 @@ def test_intervals_merge_equal_neighbours():
     assert (iv.at(9), iv.at(10), iv.at(29), iv.at(30)) == (0, 1, 1, 0)
 
 
+def test_a_fill_is_a_put_over_its_span():
+    """`fill` moves the next interval's start where it can (an LRU's top keys evicted one by one),
+    and is `span` then `put` everywhere: the same map, intervals and all."""
+    rng = random.Random(3)
+    fast, ref = Intervals(None), Intervals(None)
+    for _ in range(3_000):
+        first = rng.randrange(0, 200)
+        end = first + rng.randrange(1, 6)
+        value = rng.choice([None, 0, 1])
+        fast.fill(first, end, value)
+        i, j = ref.span(first, end)
+        ref.put(i, j, [value] * (j - i))
+        assert (fast.starts, fast.values) == (ref.starts, ref.values)
+    iv = Intervals(None)
+    iv.fill(10, 20, 0)
+    iv.fill(19, 20, None)   # the top key of [10, 20): the interval after it starts one lower
+    assert (iv.starts, iv.values) == ([-1, 10, 19], [None, 0, None])
+
+
 def test_more_replicas_than_its_width_are_refused():
     idx = IntervalIndex(2)
     idx.bit("a")

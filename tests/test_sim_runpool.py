@@ -12,11 +12,13 @@ import pytest
 from kvlab.engine.sim.blockpool import BlockPool
 from kvlab.engine.sim.runpool import Held, RunPool, key_runs
 from kvlab.kvcache.events import BlockRemoved, BlockStored, Event
+from kvlab.kvcache.intervals import runs
+from kvlab.kvcache.runkeys import RunKeys
 
 BS = 4
 
 
-def prompt_keys(rng: random.Random) -> list[int]:
+def prompt_keys(rng: random.Random, hashed: bool = True) -> list[int]:
     """Ascending keys in runs: a shared head, pieces of a few branches; sometimes continued by
     hashed blocks (a prompt continued over an answer)."""
     keys = list(range(1, 1 + rng.randrange(1, 5)))
@@ -26,14 +28,16 @@ def prompt_keys(rng: random.Random) -> list[int]:
         n = rng.randrange(1, 12)
         keys.extend(range(at, at + n))
         at += n
-    if rng.random() < 0.15:
+    if hashed and rng.random() < 0.15:
         keys.extend(rng.getrandbits(64) for _ in range(rng.randrange(1, 4)))
     return keys
 
 
 class Req:
-    def __init__(self, keys: list[int]) -> None:
+    def __init__(self, keys: list[int], answer: int = 0) -> None:
         self.keys = keys
+        self.prompt = len(keys)
+        self.answer = answer   # the first key of its answer's blocks, keyed by structure; 0: hashed
         self.old: list = []
         self.new: Held | list = []
 
@@ -57,21 +61,25 @@ def check(old: BlockPool, new: RunPool, step: int, quiet: int | None = None) -> 
     assert quieted(old.take_events(), quiet) == new.take_events(), step
 
 
-def drive(seed: int, blocks: int, steps: int = 1500, quiet: int | None = None) -> None:
+def drive(seed: int, blocks: int, steps: int = 1500, quiet: int | None = None, answers: bool = False) -> None:
+    """With `answers`, an answer's blocks are keyed by structure (twin/keys.py `AnswerKeys`): from
+    one first key per prompt shape up, the run pool given them as runs."""
     rng = random.Random(seed)
     old, new = BlockPool(blocks, BS), RunPool(blocks, BS, bound=rng.choice([1 << 62, 30]))
     if quiet is not None:
         new.quiet = quiet
-    shapes = [prompt_keys(rng) for _ in range(25)]
+    shapes = [prompt_keys(rng, hashed=not answers) for _ in range(25)]
     running: list[Req] = []
+    admit, fill, grow = (0.2, 0.7, 0.9) if answers else (0.35, 0.6, 0.75)   # answers: longer lives
     for step in range(steps):
         op = rng.random()
-        if op < 0.35 or not running:   # admit: hits taken, the rest allocated (or given back)
-            req = Req(list(rng.choice(shapes)))
+        if op < admit or not running:   # admit: hits taken, the rest allocated (or given back)
+            shape = rng.randrange(len(shapes))
+            req = Req(list(shapes[shape]), 1000 + 100 * shape if answers else 0)
             cap = rng.randrange(0, len(req.keys) + 1)
             hits_o, hits_n = old.cached_prefix(req.keys[:cap]), new.cached_prefix(req.keys[:cap])
             assert len(hits_o) == len(hits_n), step
-            need = max(len(req.keys) - len(hits_o), 0) + rng.randrange(0, 3) - rng.randrange(0, 2)
+            need = max(len(req.keys) - len(hits_o), 0) + rng.randrange(0, 6 if answers else 3) - rng.randrange(0, 2)
             old.touch(hits_o)
             new.touch(hits_n)
             got_o, got_n = old.allocate(max(need, 0)), new.allocate(max(need, 0))
@@ -82,11 +90,17 @@ def drive(seed: int, blocks: int, steps: int = 1500, quiet: int | None = None) -
             else:
                 req.old, req.new = hits_o + got_o, hits_n + got_n
                 running.append(req)
-        elif op < 0.6:   # cache what is computed, as Scheduler._cache_blocks does
+        elif op < fill:   # cache what is computed, as Scheduler._cache_blocks does
             req = rng.choice(running)
             end = rng.randrange(0, len(req.old) + 1)
-            while len(req.keys) < end:   # an answer's blocks, hashed
-                req.keys.append(rng.getrandbits(64))
+            if answers and rng.random() < 0.7:   # the next block or two, as decode steps fill them
+                end = len(req.old)
+                for i, block in enumerate(req.old):
+                    if block.key is None:
+                        end = min(end, i + rng.randrange(1, 3))
+                        break
+            while len(req.keys) < end:   # an answer's blocks, hashed or by structure
+                req.keys.append(req.answer + len(req.keys) - req.prompt if req.answer else rng.getrandbits(64))
             start = 0
             while start < end and req.old[start].key == req.keys[start]:
                 start += 1
@@ -98,8 +112,9 @@ def drive(seed: int, blocks: int, steps: int = 1500, quiet: int | None = None) -
                 parent = req.keys[start - 1] if start else None
                 tokens = list(range((end - start) * BS))
                 old.cache(req.old[start:end], req.keys[start:end], parent, tokens)
-                new.cache(req.new[start:end], req.keys[start:end], parent, tokens)
-        elif op < 0.75:   # grow by decode
+                keys = req.keys[start:end]
+                new.cache(req.new[start:end], RunKeys(runs(keys)) if answers else keys, parent, tokens)
+        elif op < grow:   # grow by decode
             req = rng.choice(running)
             n = rng.randrange(1, 3)
             got_o, got_n = old.allocate(n), new.allocate(n)
@@ -132,6 +147,14 @@ def test_a_run_pool_told_to_leave_keys_out_of_its_events_answers_the_same_and_re
     """The twin's pools leave out of their KV events the keys its index reads none of (an answer's,
     and a prompt's own from `unread` up): the same answers, the events less those keys."""
     drive(seed, blocks=[30, 60][seed % 2], quiet=[20, 40][seed // 2])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_answers_keyed_by_structure_are_cached_as_the_block_pool_caches_them(seed):
+    """An answer's next blocks, going on from the keys its request holds, move one interval
+    (`RunPool._extend`); shared with a request of the same prompt, or reported, they take the
+    general way: the same answers either way."""
+    drive(seed, blocks=[60, 120][seed % 2], quiet=1000 if seed < 3 else None, answers=True)
 
 
 def test_keys_in_no_order_are_split_into_runs_all_the_same():

@@ -90,6 +90,16 @@ def test_the_decode_fast_forward_changes_no_figure(monkeypatch, runs):
         assert a.itl_ms == pytest.approx(b.itl_ms)
 
 
+def test_a_cruise_a_scrape_reads_goes_on_as_if_begun_again(monkeypatch, runs):
+    """A scrape settles each cruise at the step in progress and lets it go on from there, with no
+    event in between (`Cluster._settle`, `read`): the very records of ending it there and beginning
+    it again, as anything else reaching the replica does."""
+    monkeypatch.setattr(Cluster, "_settle_all", lambda self: [self._settle(r) for r in list(self._cruising)])
+    ended = _run("kv-aware")
+    assert msgspec.json.encode(ended.records) == msgspec.json.encode(runs["kv-aware"].records)
+    assert ended.outcome.steps == runs["kv-aware"].outcome.steps
+
+
 def test_a_trace_replays_at_its_own_timing_open_loop(tmp_path):
     rows = [{"timestamp": i * 500, "input_length": 700, "output_length": 5, "hash_ids": [1, 2 + i % 2]}
             for i in range(12)]

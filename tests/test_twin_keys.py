@@ -174,6 +174,32 @@ def test_a_twin_run_gives_the_same_records_keyed_by_structure_or_by_hash(trace_p
 
 
 
+def test_answers_keyed_by_structure_give_the_records_of_hashed_answers(trace_path, monkeypatch):
+    """An answer's blocks keyed by structure (keys.py `AnswerKeys`) in place of hashed: the same
+    records and index, with preempted requests whose recompute finds their answer's blocks."""
+    import msgspec
+
+    from kvlab.twin import cluster as cluster_module
+    from kvlab.twin.cluster import Cluster
+    from kvlab.twin.settings import TwinSettings, resolve
+
+    def run() -> tuple[bytes, list[int], list[int | None], int, bool]:
+        plan = resolve(TwinSettings(trace=str(trace_path), requests=60, time_scale=0.05, num_blocks=300,
+                                    max_model_len=4096))   # few blocks, a busy minute: preemptions
+        cluster = Cluster(plan)
+        records = msgspec.json.encode(cluster.run().records)
+        index = cluster.gateway.precise
+        return (records, index.table.starts, index.table.values, sum(r.sched.preemptions for r in cluster.replicas),
+                all(r.sched.answer_keys is not None for r in cluster.replicas))
+
+    *structural, preempted, by_structure = run()
+    assert by_structure and preempted > 0
+    monkeypatch.setattr(cluster_module, "AnswerKeys", lambda *args: None)   # hashed by the engines
+    *hashed, _, by_structure = run()
+    assert not by_structure
+    assert structural == hashed
+
+
 def test_kv_events_the_index_would_skip_whole_are_not_delivered(trace_path, monkeypatch):
     """An answer's blocks, stored or evicted, are keyed from `unread` up: the pools leave them out
     of their KV events (runpool.py `RunPool.quiet`), an event left with none is not delivered, and

@@ -92,6 +92,18 @@ class Intervals(Generic[V]):
         starts[i:j + 1] = keep_s
         old[i:j + 1] = keep_v
 
+    def fill(self, first: int, end: int, value: V) -> None:
+        """The keys `first` to `end` (excluded) take `value`; where they end an interval and the
+        next one holds `value` (an LRU's oldest keys evicted, from the top down), that one's start
+        moves down, with no interval cut and merged again."""
+        starts, values = self.starts, self.values
+        i = bisect_right(starts, first)
+        if i < len(starts) and starts[i] == end and values[i] == value and starts[i - 1] < first:
+            starts[i] = first
+            return
+        i, j = self.span(first, end)
+        self.put(i, j, [value] * (j - i))
+
     def lengths(self, i: int, j: int, end: int) -> list[int]:
         """How many keys each of intervals `i` to `j` (excluded) holds, the last ending at `end`."""
         starts = self.starts

@@ -4,8 +4,9 @@ A trace prompt's ~800 block keys come in a few runs of consecutive integers. Hel
 key is an int object of its own, and every copy, slice, sort and search for runs that the router,
 the engines' pools and the index make of them reads all of them again, scattered in memory. Held
 as runs, those are a few tuples each: the pools and the index take the runs as they are
-(`runs`), the rest reads them as the list they stand for. Once a request's answer blocks extend
-its keys (a hashed key a block), the engine holds them as a list (engine/sim/scheduler.py).
+(`runs`), the rest reads them as the list they stand for. A request's answer blocks extend its
+keys by one more run where they are keyed by structure (twin/keys.py `AnswerKeys`); hashed (a key a
+block), the engine holds them as a list (engine/sim/scheduler.py).
 """
 
 from __future__ import annotations

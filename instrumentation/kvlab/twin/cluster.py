@@ -40,6 +40,7 @@ from kvlab.twin.cruise import advance, cruise_steps
 from kvlab.twin.feed import Feed, Prompt
 from kvlab.twin.flight import Flight
 from kvlab.twin.gateway import Gateway
+from kvlab.twin.keys import HASHED, AnswerKeys
 from kvlab.twin.replica import Lockstep, Replica, join_ranks
 from kvlab.twin.settings import Plan
 from kvlab.twin.watchdog import STALL_EVENTS, STALL_STEPS, Watchdog, stalled
@@ -125,10 +126,17 @@ class Cluster:
         # index keeps none of them (twin/keys.py), the router's answers are the same
         unread = self.gateway.precise.unread_from = self.feed.unread(plan.sim.block_size)
         if self._runs:   # the pools are empty yet: from where their keys are kept one by one (hashed)
-            bound = self.feed.key_bound(plan.sim.block_size)
+            bs = plan.sim.block_size
+            bound = self.feed.key_bound(bs)
+            # an answer's blocks keyed by structure, above the prompts' keys, where no one but the
+            # pools reads them: every output token one id, and no chunk continuing an answer
+            answers = AnswerKeys(bound, plan.num_blocks + 1, bs) \
+                if unread is not None and self.gateway.sampler is None and self.gateway.chunking is None else None
             for r in self.replicas:
                 pool = cast(RunPool, r.pool)
-                pool.bound = bound
+                pool.bound = bound if answers is None else HASHED   # (nothing hashed then)
+                if answers is not None:
+                    r.sched.answer_keys = answers.first
                 if unread is not None:   # and from where their KV events leave the keys out
                     pool.quiet = unread
         self._progress = progress
@@ -260,8 +268,9 @@ class Cluster:
 
     # ---- the engines -----------------------------------------------------------------------
     def _settle_all(self) -> None:
+        """Settle every cruise for a read of the replicas' state (a scrape, an always-fresh send)."""
         for r in list(self._cruising):
-            self._settle(r)
+            self._settle(r, read=True)
 
     def _submit(self, flight: Flight) -> None:
         """A call reaches its replica."""
@@ -315,19 +324,36 @@ class Cluster:
         self.clock.push(now + k * dur, CRUISE, (replica, replica.gen))
         return True
 
-    def _settle(self, replica: Replica) -> None:
-        """Apply a cruise's steps up to the one in progress now; it ends with that step."""
+    def _settle(self, replica: Replica, read: bool = False) -> None:
+        """Apply a cruise's steps up to the one in progress now; it ends with that step. For a
+        `read`, which changes nothing, the rest of the cruise goes on from that step's end as the
+        replica would begin it again there (`_start`), with no event in between; anything else
+        reaching the replica before then ends it there."""
         cruise = replica.cruise
         if cruise is None:
             return
         t0, dur, k = cruise
-        j = min(k, int((self.clock.now_ms - t0) / dur) + 1)
-        advance(replica, j, dur, t0 + j * dur, self.gateway.flights)
+        now = self.clock.now_ms
+        if now < t0:   # a cruise going on from a read's step, not begun
+            if not read:
+                replica.cruise = None
+                self._cruising.pop(replica, None)
+                replica.gen += 1
+                self.clock.push(t0, CRUISE, (replica, replica.gen))
+            return
+        j = min(k, int((now - t0) / dur) + 1)
+        end = t0 + j * dur
+        advance(replica, j, dur, end, self.gateway.flights)
         self._cruising.pop(replica, None)
         if replica.events:
             self._publish(replica)
         replica.gen += 1   # the cruise's end event is stale now: it ends with this step
-        self.clock.push(t0 + j * dur, CRUISE, (replica, replica.gen))
+        if read and k - j >= 2:   # `cruise_steps` would say k - j there: nothing else has changed
+            replica.cruise = (end, dur, k - j)
+            self._cruising[replica] = None
+            self.clock.push(end + (k - j) * dur, CRUISE, (replica, replica.gen))
+            return
+        self.clock.push(end, CRUISE, (replica, replica.gen))
 
     def _cruise_end(self, replica: Replica, gen: int) -> None:
         if gen != replica.gen:   # the end of a cruise cut short since: its own end event follows

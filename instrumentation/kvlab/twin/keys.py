@@ -16,7 +16,8 @@ hashed tokens would then share blocks the trace says differ (100,000 requests of
 trace, 26 rounds of it: 3,239 prompts' first window equals another id's; none in 10,000 of the
 conversation trace). Below `MIN_BLOCK` tokens a block is hashed all the same: the windows hold a
 few hundred distinct words, so two windows of different ids would too often begin with the same
-token or two. The blocks of an answer are hashed by the engines, as ever.
+token or two. The blocks of an answer are keyed by structure too (`AnswerKeys`), where every
+output token is one id and no chunk continues an answer; else the engines hash them.
 
 Why: the keys are small integers, and a prompt's new blocks get consecutive ones. Python hashes a
 small integer to itself, so every dict a block passes through (the pools' caches, the index's
@@ -28,7 +29,7 @@ Told how many prompts will be sent (`expect`), the keys also say which blocks no
 a chain (in a send round) that one prompt alone passes through holds blocks no other prompt has,
 and so does a tail that one prompt alone ends with; the router looks a prompt's blocks up once,
 before it sends it anywhere. Those blocks get the keys from `unread` up, above every other
-structural key and below the hashes of the answers' blocks, which no prompt holds either. The
+structural key and below the answers' blocks, which no prompt holds either. The
 twin's index keeps no block from there up (kvcache/index.py `PreciseIndex.unread_from`): the
 router's answers are the same, for less of the index's work (docs/benchmarks.md).
 """
@@ -36,11 +37,15 @@ router's answers are the same, for less of the index's work (docs/benchmarks.md)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlab.kvcache.hashing import block_keys
 from kvlab.kvcache.runkeys import Keys, RunKeys
+
+if TYPE_CHECKING:
+    from kvlab.engine.sim.scheduler import Request
 
 MIN_BLOCK = 8   # tokens: the smallest block keyed by structure
 HASHED = 1 << 62   # structural keys stay below (hashes are 64-bit: a few in a billion fall there)
@@ -98,8 +103,8 @@ class TraceKeys:
         return line if 2 * line < HASHED else None   # billions of rounds: keys that big would be hashes'
 
     def bound(self, block_size: int) -> int:
-        """Every structural key (at this block size) stays below it: hashed keys (an answer's
-        blocks) are almost all above."""
+        """Every prompt's structural key (at this block size) stays below it: the answers' keys
+        by structure start there (`AnswerKeys`), hashed ones are almost all above."""
         line = self.unread(block_size)
         return HASHED if line is None else line + self._rounds * self._round(block_size)
 
@@ -135,3 +140,36 @@ class TraceKeys:
         at += end * (self.tail // bs + 1)
         keys.add(at, at + len(tokens) // bs - len(keys))   # the blocks ending in the tail
         return keys
+
+
+class AnswerKeys:
+    """Keys of the answers' blocks by structure, where every output token is one id (the twin's
+    engines with no MoE sampler, twin/gateway.py), in place of hashing them on from the prompt's.
+
+    Hashed, an answer's blocks chain on from its prompt's last full block over the tokens after
+    it, then the output's: two answers share keys exactly when their prompts agree up to the
+    prompt's end (their last full blocks' keys and the tokens after those). So each such prompt
+    end gets `stride` consecutive keys, from `first` up, one a block, and a request's answer blocks
+    take them in order (engine/sim/scheduler.py `answer_keys`): as a prompt's keys, runs the pools
+    keep as runs. `first` is above every prompt's key and `stride` above the blocks a request can
+    hold, so no two chains meet; no lookup of the index reads them (they are above `unread`).
+    """
+
+    __slots__ = ("_bases", "_block_size", "_next", "_stride")
+
+    def __init__(self, first: int, stride: int, block_size: int) -> None:
+        self._next = first
+        self._stride = stride
+        self._block_size = block_size
+        self._bases: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def first(self, req: Request) -> int:
+        """The key of the first block of `req`'s answer (its block after the prompt's full ones)."""
+        bs = self._block_size
+        n = req.num_prompt // bs
+        end = (req.keys[n - 1] if n else -1, tuple(req.prompt[n * bs:req.num_prompt]))
+        base = self._bases.get(end)
+        if base is None:
+            base = self._bases[end] = self._next
+            self._next += self._stride
+        return base

@@ -283,8 +283,7 @@ class RunPool:
                 lru.popleft()
         ref = self._ref
         for a, b in gone:
-            k, m = ref.span(a, b)
-            ref.put(k, m, [None] * (m - k))
+            ref.fill(a, b, None)
         return removed
 
     def cache(self, blocks: Held | Span, keys: Sequence[int], parent: int | None,
@@ -293,6 +292,8 @@ class RunPool:
         `parent`), one BlockStored; a key already cached stays with its block, and this one
         anonymous."""
         held, at = (blocks.held, blocks.start) if isinstance(blocks, Span) else (blocks, 0)
+        if isinstance(keys, RunKeys) and len(keys.runs) == 1 and self._extend(held, at, *keys.runs[0]):
+            return
         ref, bound, hashed = self._ref, self.bound, self._hashed
         stored: list[tuple[int, int, int]] = []
         for first, end in key_runs(keys, bound):
@@ -337,6 +338,26 @@ class RunPool:
                     block_hashes=[key], parent_block_hash=parent, token_ids=token_ids[i * bs:(i + 1) * bs],
                     block_size=bs, medium="GPU"))
             parent = key
+
+    def _extend(self, held: Held, at: int, first: int, end: int) -> bool:
+        """`cache` where an answer's next blocks (twin/keys.py `AnswerKeys`) go on from the keys of
+        the request's blocks before them, which it alone holds, with no one else's keys up to `end`
+        and no KV event: one interval's start moves (False, and no change, in any other case)."""
+        mine = held.runs
+        if not mine or end > self.bound or (self._events_on and first < self.quiet):
+            return False
+        p, a, b = mine[-1]
+        if b != first or p + b - a != at:
+            return False
+        starts, values = self._ref.starts, self._ref.values
+        i = bisect_right(starts, first) - 1
+        if starts[i] != first or values[i] is not None or values[i - 1] != 1 or \
+                (i + 1 < len(starts) and starts[i + 1] <= end):
+            return False
+        starts[i] = end
+        mine[-1] = (p, a, end)
+        self._cached += end - first
+        return True
 
     def free(self, blocks: Freed | Iterable[object]) -> None:
         """Drop a reference on each block of a `Held` passed `reversed` (tail first): the

@@ -11,14 +11,14 @@ is preempted (blocks freed, recomputed later, as vLLM's recompute preemption).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from kvlab.engine.sim.blockpool import Block, BlockPool
 from kvlab.engine.sim.retention import NORMAL, RetentionDirective, block_classes
 from kvlab.kvcache.hashing import block_keys
-from kvlab.kvcache.runkeys import Keys
+from kvlab.kvcache.runkeys import Keys, RunKeys
 
 if TYPE_CHECKING:
     import asyncio
@@ -122,6 +122,9 @@ class Scheduler:
         # the KV events carry the blocks' token ids (vLLM's do); the twin's index reads only the
         # engines' keys (PreciseIndex `engine_keys`), so its engines skip copying them
         self.token_ids = token_ids
+        # an answer's blocks are keyed by hashing its tokens on from the prompt's (vLLM's are);
+        # set, the first key of a request's answer blocks, the rest consecutive (twin/keys.py)
+        self.answer_keys: Callable[[Request], int] | None = None
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -298,13 +301,27 @@ class Scheduler:
         bs = self.block_size
         keys = req.keys
         if len(keys) < end:  # output blocks: extend the chain over generated tokens
-            if not isinstance(keys, list):   # a twin trace prompt's, as runs: a list once an answer
-                req.keys = keys = list(keys)   # extends them (kvcache/runkeys.py)
-            parent = keys[-1] if keys else 0
             first = len(keys)
-            keys.extend(block_keys(req.tokens(first * bs, end * bs), bs, parent=parent, seed=self.hash_seed))
+            if self.answer_keys is not None:   # a run of keys, from the answer's first on
+                keys = cast(RunKeys, keys)   # (a trace prompt's, twin/keys.py)
+                at = keys.runs[-1][1] if first > req.num_prompt // bs else self.answer_keys(req)
+                keys.add(at, at + end - first)
+                if start == first and self.pool.typed is None:   # fresh blocks (no lookup reached them): the run
+                    self.pool.cache(req.blocks[start:end], RunKeys([(at, at + end - first)]),
+                                    keys[start - 1] if start else None,
+                                    req.tokens(start * bs, end * bs) if self.token_ids else [])
+                    return
+            else:
+                if not isinstance(keys, list):   # a twin trace prompt's, as runs: a list once an
+                    req.keys = keys = list(keys)   # answer's hashed keys extend them (kvcache/runkeys.py)
+                parent = keys[-1] if keys else 0
+                keys.extend(block_keys(req.tokens(first * bs, end * bs), bs, parent=parent, seed=self.hash_seed))
         # skip blocks that came from the cache already (they are cached under these keys)
-        while start < end and req.blocks[start].key == keys[start]:
+        blocks = req.blocks
+        while start < end:
+            key = blocks[start].key
+            if key is None or key != keys[start]:   # (a fresh block's key is None: no key read)
+                break
             start += 1
         if start < end:
             classes = self._classes(req, start, end) if self.pool.typed is not None else None
