@@ -90,7 +90,9 @@ def _sequence(reqs: Sequence[Prompt]) -> np.ndarray[Any, np.dtype[np.uint64]]:
         lengths = runs[:, 1] - runs[:, 0]
         places = np.cumsum(lengths) - lengths
         total = int(lengths.sum())
-        return np.arange(total, dtype=np.uint64) + np.repeat(runs[:, 0] - places, lengths.astype(np.int64))
+        seq: np.ndarray[Any, np.dtype[np.uint64]] = np.arange(total, dtype=np.uint64)
+        seq += np.repeat(runs[:, 0] - places, lengths.astype(np.int64))
+        return seq
     return np.concatenate([np.asarray(p.keys, dtype=np.uint64) for p in reqs])
 
 
