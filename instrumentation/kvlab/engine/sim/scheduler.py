@@ -306,11 +306,6 @@ class Scheduler:
                 keys = cast(RunKeys, keys)   # (a trace prompt's, twin/keys.py)
                 at = keys.runs[-1][1] if first > req.num_prompt // bs else self.answer_keys(req)
                 keys.add(at, at + end - first)
-                if start == first and self.pool.typed is None:   # fresh blocks (no lookup reached them): the run
-                    self.pool.cache(req.blocks[start:end], RunKeys([(at, at + end - first)]),
-                                    keys[start - 1] if start else None,
-                                    req.tokens(start * bs, end * bs) if self.token_ids else [])
-                    return
             else:
                 if not isinstance(keys, list):   # a twin trace prompt's, as runs: a list once an
                     req.keys = keys = list(keys)   # answer's hashed keys extend them (kvcache/runkeys.py)
